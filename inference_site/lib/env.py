@@ -1,0 +1,78 @@
+"""Typed readers for environment settings.
+
+Every setting is read through one of these so that a bad value stops the process at start
+with a message naming the variable, instead of failing later on a request.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+# Only the exception class: these helpers never touch Django's settings, so the launcher and
+# the tooling can use them before (or without) configuring Django.
+from django.core.exceptions import ImproperlyConfigured
+
+__all__ = ["ImproperlyConfigured", "env_bool", "env_int", "env_list", "env_name", "env_str"]
+
+
+def env_str(name: str, default: str, environ: Mapping[str, str] | None = None) -> str:
+    environ = os.environ if environ is None else environ
+    value = environ.get(name, "")
+    return value if value.strip() else default
+
+
+def env_int(
+    name: str,
+    default: int,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    raw = env_str(name, "", environ).strip()
+    if not raw:
+        value = default
+    else:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ImproperlyConfigured(f"{name} must be at most {maximum}, got {value}")
+    return value
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def env_bool(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+    raw = env_str(name, "", environ).strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ImproperlyConfigured(f"{name} must be one of {sorted(_TRUE | _FALSE)}, got {raw!r}")
+
+
+def env_list(name: str, default: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    raw = env_str(name, "", environ)
+    if not raw.strip():
+        return list(default)
+    return [part.strip() for part in raw.split(",") if part.strip()]
+
+
+def env_name(name: str, default: str, environ: Mapping[str, str] | None = None) -> str:
+    """A short identifier used in Redis keys and queue names: letters, digits, '-', '_', '.'."""
+    value = env_str(name, default, environ).strip()
+    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+    if not value or len(value) > 64 or not set(value) <= allowed:
+        raise ImproperlyConfigured(
+            f"{name} must be 1-64 characters of letters, digits, '-', '_' or '.', got {value!r}"
+        )
+    return value

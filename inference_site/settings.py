@@ -1,0 +1,112 @@
+"""Django settings for the sampling service.
+
+Every value comes from the environment through the typed helpers in inference_site.lib.env,
+so a bad value fails at start with ImproperlyConfigured naming the variable. Each setting is
+documented in README.md under "Configuration".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+
+from inference_site.lib.env import env_bool, env_int, env_list, env_name, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+# --- Django -------------------------------------------------------------------------------
+DEBUG = env_bool("DJANGO_DEBUG", False)
+SECRET_KEY = env_str("DJANGO_SECRET_KEY", "insecure-development-key-set-DJANGO_SECRET_KEY")
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "sampling",
+    "workers",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "inference_site.urls"
+WSGI_APPLICATION = "inference_site.wsgi.application"
+APPEND_SLASH = False
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"), conn_max_age=60
+    )
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO").upper()},
+}
+
+# --- Sampling service ---------------------------------------------------------------------
+REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+# The queue names the served model: web processes append to its open batch, its workers
+# consume its Celery queue, and every Redis key of the aggregator is under it.
+SAMPLING_QUEUE = env_name("SAMPLING_QUEUE", "sampling")
+SAMPLING_MAX_BATCH_SIZE = env_int("SAMPLING_MAX_BATCH_SIZE", 100, minimum=1, maximum=100)
+SAMPLING_DEADLINE_MS = env_int("SAMPLING_DEADLINE_MS", 500, minimum=1, maximum=600_000)
+SAMPLING_MAX_PROMPT_BYTES = env_int("SAMPLING_MAX_PROMPT_BYTES", 8192, minimum=1, maximum=1 << 20)
+SAMPLER = env_str("SAMPLER", "simulated")
+SIMULATED_BATCH_MS = env_int("SIMULATED_BATCH_MS", 100, minimum=0, maximum=600_000)
+
+# --- Celery (read by inference_site/celery.py with the CELERY_ namespace) ------------------
+CELERY_BROKER_URL = REDIS_URL
+# The stock Redis result backend waits in 1 s steps and holds a pub/sub connection per
+# thread; this subclass routes every wait through one listener per process (see
+# sampling/results.py and ../shared/notes/celery-results.md).
+CELERY_RESULT_BACKEND = f"sampling.results:SharedListenerRedisBackend+{REDIS_URL}"
+CELERY_RESULT_EXPIRES = 300
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+# A GPU pulls one batch at a time; early acks, because a caller gives up after its deadline
+# and a redelivered batch would only be dropped as expired.
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ACKS_LATE = False
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_TASK_DEFAULT_QUEUE = SAMPLING_QUEUE

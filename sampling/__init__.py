@@ -1,0 +1,1 @@
+"""The sampling API: HTTP views and the Redis batch aggregator."""

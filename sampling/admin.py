@@ -1,0 +1,1 @@
+"""Nothing registered yet: the policy and statistics admin come with the operators' issue."""

@@ -1,0 +1,1 @@
+"""No database models yet: the request path never touches the database."""

@@ -1,0 +1,113 @@
+"""A GPU worker's life: load the sampler once at start, heartbeat while alive, leave on stop.
+
+Connected to Celery's worker signals by WorkersConfig.ready(); they fire only in a
+`celery worker` process, never in a web process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+
+import redis
+from celery import signals
+from django.conf import settings
+
+from sampling.aggregator import BatchAggregator
+from workers.runner import BatchRunner
+from workers.samplers import load_sampler
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+# A call running longer than this is taken for a hung sampler: the worker stops advertising
+# itself, so /readyz and admission no longer count it.
+STUCK_CALL_S = 60.0
+
+_runner: BatchRunner | None = None
+_stop = threading.Event()
+
+
+def current_runner(queue: str) -> BatchRunner:
+    if _runner is None:
+        raise RuntimeError("this process is not a sampling worker: no sampler was loaded")
+    if queue != _runner.aggregator.queue:
+        raise RuntimeError(
+            f"batch of queue {queue!r} reached a worker of queue {_runner.aggregator.queue!r}"
+        )
+    return _runner
+
+
+def _aggregator() -> BatchAggregator:
+    return BatchAggregator(
+        redis.Redis.from_url(settings.REDIS_URL, socket_timeout=10),
+        settings.SAMPLING_QUEUE,
+        max_batch_size=settings.SAMPLING_MAX_BATCH_SIZE,
+        deadline_ms=settings.SAMPLING_DEADLINE_MS,
+    )
+
+
+@signals.worker_process_init.connect
+def load_runner(sender: object = None, **kwargs: object) -> None:
+    """Fired in the process that runs tasks (the solo pool's main process): load once."""
+    global _runner
+    started = time.perf_counter()
+    sampler = load_sampler()
+    worker = str(sender or f"worker@{socket.gethostname()}")
+    _runner = BatchRunner(_aggregator(), sampler, worker)
+    _runner.warm_up()
+    log.info(
+        "worker %s: sampler %s loaded for queue %s in %.1f s (CUDA_VISIBLE_DEVICES=%s)",
+        worker,
+        sampler.name,
+        settings.SAMPLING_QUEUE,
+        time.perf_counter() - started,
+        os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+    )
+    # Started here rather than on worker_ready so that it runs in the process holding the
+    # sampler whatever the pool (solo: the worker itself; prefork: the child).
+    _stop.clear()
+    threading.Thread(target=_heartbeat_loop, args=(_runner,), name="heartbeat", daemon=True).start()
+
+
+def _heartbeat_loop(runner: BatchRunner) -> None:
+    aggregator = runner.aggregator
+    info_key = aggregator.worker_info_prefix + runner.worker
+    while not _stop.is_set():
+        busy_since = runner.busy_since
+        stuck = busy_since is not None and time.monotonic() - busy_since > STUCK_CALL_S
+        try:
+            if stuck:
+                log.error("sampler call running for over %.0f s: not advertising", STUCK_CALL_S)
+                aggregator.forget_worker(runner.worker)
+            else:
+                aggregator.heartbeat(runner.worker)
+                info = {
+                    "worker": runner.worker,
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                    "sampler": runner.sampler.name,
+                    "batches": runner.batches,
+                    "busy_s": round(runner.busy_s, 3),
+                    "estimate_ms": round(runner.estimate_ms, 2),
+                }
+                aggregator.client.set(info_key, json.dumps(info), px=60_000)
+        except redis.RedisError as exc:
+            log.warning("heartbeat failed: %s", exc)
+        _stop.wait(HEARTBEAT_INTERVAL_S)
+
+
+@signals.worker_shutdown.connect
+@signals.worker_process_shutdown.connect
+def stop_heartbeat(sender: object = None, **kwargs: object) -> None:
+    _stop.set()
+    if _runner is not None:
+        try:
+            _runner.aggregator.forget_worker(_runner.worker)
+        except redis.RedisError:
+            pass

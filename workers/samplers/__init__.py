@@ -1,0 +1,42 @@
+"""Sampler selection: SAMPLER names a built-in sampler or a dotted path `module:factory`."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+from workers.samplers.base import MAX_BATCH, PromptRejected, Sampler
+
+
+def _simulated() -> Sampler:
+    from workers.samplers.simulated import SimulatedSampler
+
+    return SimulatedSampler(batch_ms=settings.SIMULATED_BATCH_MS)
+
+
+BUILT_IN: dict[str, Callable[[], Sampler]] = {"simulated": _simulated}
+
+
+def load_sampler(name: str | None = None) -> Sampler:
+    name = name or settings.SAMPLER
+    factory = BUILT_IN.get(name)
+    if factory is None:
+        module_name, _, attribute = name.partition(":")
+        if not attribute:
+            raise ImproperlyConfigured(
+                f"SAMPLER must be one of {sorted(BUILT_IN)} or 'module:factory', got {name!r}"
+            )
+        try:
+            factory = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as exc:
+            raise ImproperlyConfigured(f"SAMPLER {name!r} cannot be loaded: {exc}") from exc
+    sampler = factory()
+    if not isinstance(sampler, Sampler):
+        raise ImproperlyConfigured(f"SAMPLER {name!r} did not build a workers.samplers.Sampler")
+    return sampler
+
+
+__all__ = ["MAX_BATCH", "BUILT_IN", "PromptRejected", "Sampler", "load_sampler"]
