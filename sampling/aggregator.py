@@ -31,16 +31,17 @@ local budget = tonumber(ARGV[4])
 local deadline = now + budget
 local bid = redis.call('GET', KEYS[1])
 
--- Admission: predict when a batch joined now would finish, from the batches queued ahead of
--- it, the live workers and the recent sampling time. Without live workers nothing is
--- predicted and the request waits for its deadline.
+-- Admission: when batches are queued behind every live worker (a backlog), predict when a
+-- batch joined now would finish, from the batches ahead of it, the workers and the recent
+-- sampling time, and refuse at once if that is past the deadline. Without a backlog (or
+-- without live workers) the request is always taken: the worker drops it if it cannot be
+-- met, and without workers it waits for its deadline.
 local workers = redis.call('ZCOUNT', KEYS[3], now - tonumber(ARGV[7]), '+inf')
 if workers > 0 then
   local sampler_ms = tonumber(redis.call('GET', KEYS[4]) or '0')
-  if sampler_ms > 0 then
-    local ahead = redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[9]), '+inf')
-    if bid then ahead = ahead - 1 end
-    if ahead < 0 then ahead = 0 end
+  local ahead = redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[9]), '+inf')
+  if bid then ahead = ahead - 1 end
+  if sampler_ms > 0 and ahead >= workers then
     local predicted = (math.floor(ahead / workers) + 1) * sampler_ms
     if predicted > budget then
       return {'', -1, 0, predicted}
@@ -186,7 +187,9 @@ class BatchAggregator:
         return Ticket(bid.decode(), int(index), bool(opened), int(value))
 
     def seal(self, batch_id: str) -> SealedBatch:
-        raw = self._seal(keys=[self.open_key, self.unsealed_key], args=[batch_id, self.batch_prefix])
+        raw = self._seal(
+            keys=[self.open_key, self.unsealed_key], args=[batch_id, self.batch_prefix]
+        )
         return SealedBatch(int(raw[0]), int(raw[1]), [_parse_item(item) for item in raw[2:]])
 
     def heartbeat(self, worker: str) -> int:

@@ -226,7 +226,9 @@ class SharedListenerRedisBackend(RedisBackend):
     def on_task_call(self, producer: Any, task_id: str) -> None:
         return None
 
-    def add_pending_result(self, result: Any, weak: bool = False, start_drainer: bool = True) -> Any:
+    def add_pending_result(
+        self, result: Any, weak: bool = False, start_drainer: bool = True
+    ) -> Any:
         return result
 
     def remove_pending_result(self, result: Any) -> Any:

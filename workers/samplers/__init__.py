@@ -39,4 +39,4 @@ def load_sampler(name: str | None = None) -> Sampler:
     return sampler
 
 
-__all__ = ["MAX_BATCH", "BUILT_IN", "PromptRejected", "Sampler", "load_sampler"]
+__all__ = ["BUILT_IN", "MAX_BATCH", "PromptRejected", "Sampler", "load_sampler"]

@@ -25,7 +25,9 @@ class Sampler(abc.ABC):
         if not prompts:
             raise ValueError("batched_sample needs at least one prompt")
         if len(prompts) > MAX_BATCH:
-            raise ValueError(f"batched_sample takes at most {MAX_BATCH} prompts, got {len(prompts)}")
+            raise ValueError(
+                f"batched_sample takes at most {MAX_BATCH} prompts, got {len(prompts)}"
+            )
         return self.sample(prompts)
 
     @abc.abstractmethod

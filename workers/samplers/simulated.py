@@ -17,10 +17,34 @@ KNOWN_COMPLETIONS = {
     "For every action, there is ": "an equal and opposite reaction",
 }
 
-_WORDS = (
-    "amber basalt cobalt delta ember fjord garnet harbor indigo juniper kestrel lumen "
-    "meadow nimbus onyx prism quartz raven sierra tundra umber vertex willow xenon yarrow zephyr"
-).split()
+_WORDS = [
+    "amber",
+    "basalt",
+    "cobalt",
+    "delta",
+    "ember",
+    "fjord",
+    "garnet",
+    "harbor",
+    "indigo",
+    "juniper",
+    "kestrel",
+    "lumen",
+    "meadow",
+    "nimbus",
+    "onyx",
+    "prism",
+    "quartz",
+    "raven",
+    "sierra",
+    "tundra",
+    "umber",
+    "vertex",
+    "willow",
+    "xenon",
+    "yarrow",
+    "zephyr",
+]
 
 
 def expected_completion(prompt: str) -> str:

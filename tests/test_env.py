@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import pytest
+
+from inference_site.lib.env import (
+    ImproperlyConfigured,
+    env_bool,
+    env_int,
+    env_list,
+    env_name,
+    env_str,
+)
+
+
+def test_defaults_when_unset_or_blank() -> None:
+    assert env_int("X", 7, environ={}) == 7
+    assert env_int("X", 7, environ={"X": "  "}) == 7
+    assert env_str("X", "d", environ={"X": ""}) == "d"
+    assert env_bool("X", True, environ={}) is True
+    assert env_list("X", ["a"], environ={}) == ["a"]
+
+
+def test_values_are_parsed() -> None:
+    assert env_int("X", 7, environ={"X": "42"}) == 42
+    assert env_bool("X", False, environ={"X": "Yes"}) is True
+    assert env_bool("X", True, environ={"X": "off"}) is False
+    assert env_list("X", [], environ={"X": "a, b,,c"}) == ["a", "b", "c"]
+    assert env_name("X", "q", environ={"X": "model-7b.v2"}) == "model-7b.v2"
+
+
+@pytest.mark.parametrize(
+    ("reader", "raw", "message"),
+    [
+        (lambda env: env_int("SAMPLING_MAX_BATCH_SIZE", 100, maximum=100, environ=env), "101",
+         "SAMPLING_MAX_BATCH_SIZE must be at most 100"),
+        (lambda env: env_int("SAMPLING_MAX_BATCH_SIZE", 100, minimum=1, environ=env), "0",
+         "SAMPLING_MAX_BATCH_SIZE must be at least 1"),
+        (lambda env: env_int("SAMPLING_MAX_BATCH_SIZE", 100, environ=env), "ten",
+         "SAMPLING_MAX_BATCH_SIZE must be an integer"),
+        (lambda env: env_bool("SAMPLING_MAX_BATCH_SIZE", True, environ=env), "maybe",
+         "SAMPLING_MAX_BATCH_SIZE must be one of"),
+        (lambda env: env_name("SAMPLING_MAX_BATCH_SIZE", "q", environ=env), "a b",
+         "SAMPLING_MAX_BATCH_SIZE must be 1-64 characters"),
+    ],
+)  # fmt: skip
+def test_bad_values_name_the_variable(reader, raw: str, message: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match=message):
+        reader({"SAMPLING_MAX_BATCH_SIZE": raw})

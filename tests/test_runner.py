@@ -1,0 +1,106 @@
+"""The batch runner (the worker's one place for deadlines and errors) on a real Redis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+
+from sampling.aggregator import ERROR, EXPIRED, OK, REJECTED, BatchAggregator
+from tests.conftest import unique_queue
+from workers.runner import BatchRunner
+from workers.samplers.base import PromptRejected, Sampler
+from workers.samplers.simulated import SimulatedSampler, expected_completion
+
+
+class RecordingSampler(Sampler):
+    name = "recording"
+
+    def __init__(self, reply: object = None) -> None:
+        self.calls: list[list[str]] = []
+        self.reply = reply
+
+    def sample(self, prompts: list[str]) -> list[str | PromptRejected]:
+        self.calls.append(list(prompts))
+        if isinstance(self.reply, Exception):
+            raise self.reply
+        if callable(self.reply):
+            return self.reply(prompts)
+        return [p.upper() for p in prompts]
+
+
+@pytest.fixture
+def aggregator(redis_client: redis.Redis) -> BatchAggregator:
+    return BatchAggregator(redis_client, unique_queue("run"), deadline_ms=500)
+
+
+def test_results_are_aligned_with_items(aggregator: BatchAggregator) -> None:
+    sampler = RecordingSampler()
+    runner = BatchRunner(aggregator, sampler, "w")
+    tickets = [aggregator.append(f"r{i}", f"prompt {i}", 500) for i in range(5)]
+    results = runner.run(tickets[0].batch_id)
+    assert [results[t.index] for t in tickets] == [[OK, f"PROMPT {i}"] for i in range(5)]
+    assert sampler.calls == [[f"prompt {i}" for i in range(5)]]
+    record = json.loads(aggregator.recent_batches(1)[0])
+    assert (record["size"], record["ok"], record["expired"], record["worker"]) == (5, 5, 0, "w")
+
+
+def test_items_that_cannot_meet_their_deadline_never_reach_the_sampler(
+    aggregator: BatchAggregator,
+) -> None:
+    sampler = RecordingSampler()
+    runner = BatchRunner(aggregator, sampler, "w")
+    runner.estimate_ms = 100  # one call is known to take about 100 ms
+    late = aggregator.append("late", "late", 50)  # 50 ms left: one call cannot make it
+    on_time = aggregator.append("ok", "on time", 5000)
+    results = runner.run(late.batch_id)
+    assert results[late.index][0] == EXPIRED
+    assert results[on_time.index] == [OK, "ON TIME"]
+    assert sampler.calls == [["on time"]]
+
+
+def test_a_batch_of_only_expired_items_makes_no_call(aggregator: BatchAggregator) -> None:
+    sampler = RecordingSampler()
+    runner = BatchRunner(aggregator, sampler, "w")
+    runner.estimate_ms = 100
+    ticket = aggregator.append("late", "late", 0)
+    assert runner.run(ticket.batch_id) == [[EXPIRED, "deadline could not be met"]]
+    assert sampler.calls == []
+
+
+def test_sampler_exception_marks_every_live_item(aggregator: BatchAggregator) -> None:
+    runner = BatchRunner(aggregator, RecordingSampler(RuntimeError("CUDA out of memory")), "w")
+    tickets = [aggregator.append(f"r{i}", f"p{i}", 5000) for i in range(3)]
+    results = runner.run(tickets[0].batch_id)
+    assert all(r[0] == ERROR and "CUDA out of memory" in r[1] for r in results)
+
+
+def test_wrong_result_length_is_an_error_not_a_misdelivery(aggregator: BatchAggregator) -> None:
+    runner = BatchRunner(aggregator, RecordingSampler(lambda prompts: prompts[:-1]), "w")
+    tickets = [aggregator.append(f"r{i}", f"p{i}", 5000) for i in range(3)]
+    results = runner.run(tickets[0].batch_id)
+    assert [r[0] for r in results] == [ERROR] * 3
+    assert "2 completions for 3 prompts" in results[0][1]
+
+
+def test_a_rejected_prompt_fails_alone(aggregator: BatchAggregator) -> None:
+    def reject_long(prompts: list[str]) -> list[str | PromptRejected]:
+        return [PromptRejected("too long") if len(p) > 5 else p for p in prompts]
+
+    runner = BatchRunner(aggregator, RecordingSampler(reject_long), "w")
+    short = aggregator.append("s", "short", 5000)
+    long = aggregator.append("l", "much too long", 5000)
+    results = runner.run(short.batch_id)
+    assert results[short.index] == [OK, "short"]
+    assert results[long.index] == [REJECTED, "too long"]
+
+
+def test_estimate_follows_measured_calls(aggregator: BatchAggregator) -> None:
+    runner = BatchRunner(aggregator, SimulatedSampler(batch_ms=30), "w")
+    runner.warm_up()
+    assert 25 <= runner.estimate_ms < 80
+    assert int(aggregator.client.get(aggregator.sampler_ms_key)) == round(runner.estimate_ms)
+    ticket = aggregator.append("r", "E equals ", 5000)
+    assert runner.run(ticket.batch_id) == [[OK, expected_completion("E equals ")]]
+    assert runner.batches == 1 and runner.busy_s > 0.02
