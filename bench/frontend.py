@@ -1,0 +1,213 @@
+"""Front-end figures of the batching service, measured on real processes in one run.
+
+    .venv/bin/python bench/frontend.py [--quick]
+
+Starts its own Redis (embedded unless REDIS_URL is set), Celery worker(s) with the simulated
+sampler and gunicorn, then measures and prints a markdown table of:
+  1. single-request latency (sequential requests) against SIMULATED_BATCH_MS;
+  2. front-end CPU ms per request (gunicorn master + workers, from /proc) on the full
+     /sample path and on a bare Django view served the same way (/healthz), same load;
+  3. the deadline's accuracy: 504 latency minus the deadline, sequential, with no worker;
+  4. simultaneous waits one node (2 processes) holds: N requests at once against a queue
+     with no worker, for gevent (the default) and gthread (GUNICORN_CMD_ARGS); each should
+     get its 504 at the deadline. Latencies are seen by the client, on the same 2 cores.
+Rounds alternate between the compared cases and medians are reported: the machine is noisy.
+"""
+
+from __future__ import annotations
+
+from gevent import monkey
+
+monkey.patch_all()
+
+import argparse  # noqa: E402
+import http.client  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import gevent  # noqa: E402
+from gevent.pool import Pool  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import contextlib  # noqa: E402
+
+from inference_site.lib.embedded_redis import EmbeddedRedis  # noqa: E402
+from inference_site.lib.stack import Stack  # noqa: E402
+from workers.samplers.simulated import expected_completion  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process and its children (gunicorn master and its workers)."""
+    total = 0.0
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+    return total
+
+
+def one(
+    base_port: int, path: str, body: bytes | None, timeout: float = 30
+) -> tuple[int, str, float]:
+    connection = http.client.HTTPConnection("127.0.0.1", base_port, timeout=timeout)
+    try:
+        started = time.perf_counter()
+        connection.request("POST" if body is not None else "GET", path, body=body)
+        response = connection.getresponse()
+        data = response.read().decode("utf-8", "replace")
+        return response.status, data, time.perf_counter() - started
+    except OSError as exc:
+        return 0, str(exc), time.perf_counter() - started
+    finally:
+        connection.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def closed_loop(port: int, path: str, requests: int, concurrency: int, check: bool) -> float:
+    """Send `requests` requests with `concurrency` in flight; return wall seconds."""
+    pool = Pool(concurrency)
+    errors: list[str] = []
+
+    def task(i: int) -> None:
+        prompt = f"bench {i} {uuid.uuid4().hex[:8]}"
+        status, body, _ = one(port, path, prompt.encode() if path == "/sample" else None)
+        wrong = check and path == "/sample" and body != expected_completion(prompt)
+        if status != 200 or wrong:
+            errors.append(f"{status} {body[:80]}")
+
+    started = time.perf_counter()
+    pool.map(task, range(requests))
+    if errors:
+        raise SystemExit(f"{len(errors)} bad answers on {path}, e.g. {errors[:3]}")
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
+    args = parser.parse_args()
+    rounds = 1 if args.quick else 3
+    cpu_requests = 100 if args.quick else 1000
+    sequential = 10 if args.quick else 100
+    waits = 150 if args.quick else 3000
+    batch_ms = int(os.environ.get("SIMULATED_BATCH_MS", "100"))
+    deadline_ms = int(os.environ.get("SAMPLING_DEADLINE_MS", "500"))
+
+    redis_server = None
+    redis_url = os.environ.get("REDIS_URL")
+    if not redis_url:
+        redis_server = EmbeddedRedis().start()
+        redis_url = redis_server.url
+    base_env = {"REDIS_URL": redis_url, "SAMPLER": "simulated"}
+    rows: list[tuple[str, str]] = []
+    stacks: list[Stack] = []
+
+    def start(label: str, gpus: list[int | None], **env: str) -> Stack:
+        queue = f"bench-{label}-{uuid.uuid4().hex[:6]}"
+        stack = Stack(env={**base_env, "SAMPLING_QUEUE": queue, **env}, gpus=gpus,
+                      web_processes=2, log_dir=Path("/tmp") / f"bench-{queue}")  # fmt: skip
+        stacks.append(stack)
+        return stack.start(timeout_s=120)
+
+    try:
+        service = start("sim", [None])
+        assert service.web is not None
+        # 1. single-request latency
+        latencies = []
+        for i in range(sequential):
+            prompt = f"single {i}"
+            status, body, seconds = one(service.port, "/sample", prompt.encode())
+            assert status == 200 and body == expected_completion(prompt), (status, body)
+            latencies.append(seconds * 1000)
+        p50 = statistics.median(latencies)
+        rows.append(("single request latency p50 (ms)", f"{p50:.1f}"))
+        rows.append(("single request latency p95 (ms)", f"{percentile(latencies, 95):.1f}"))
+        rows.append(("p50 minus SIMULATED_BATCH_MS (ms)", f"{p50 - batch_ms:+.1f}"))
+
+        # 2. front-end CPU per request, full path vs bare view, alternating rounds
+        per_request: dict[str, list[float]] = {"/sample": [], "/healthz": []}
+        rates: dict[str, list[float]] = {"/sample": [], "/healthz": []}
+        for _ in range(rounds):
+            for path in ("/healthz", "/sample"):
+                before = cpu_seconds(service.web.pid)
+                wall = closed_loop(service.port, path, cpu_requests, 50, check=True)
+                used = cpu_seconds(service.web.pid) - before
+                per_request[path].append(used / cpu_requests * 1000)
+                rates[path].append(cpu_requests / wall)
+        full = statistics.median(per_request["/sample"])
+        bare = statistics.median(per_request["/healthz"])
+        rows.append(("front-end CPU per request, /sample (ms)", f"{full:.2f}"))
+        rows.append(("front-end CPU per request, bare view /healthz (ms)", f"{bare:.2f}"))
+        rows.append(("ratio full path / bare view", f"{full / bare:.2f}"))
+        rows.append(("  (/sample throughput in that test, req/s)",
+                     f"{statistics.median(rates['/sample']):.0f}"))  # fmt: skip
+
+        # 3. deadline accuracy: sequential requests on a queue with no worker
+        idle = start("idle", [])
+        one(idle.port, "/sample", b"warm-up", 60)
+        errors = []
+        for i in range(sequential // 2):
+            status, _, seconds = one(idle.port, "/sample", f"alone {i}".encode(), 60)
+            assert status == 504, status
+            errors.append((seconds - deadline_ms / 1000) * 1000)
+        rows.append(("504 minus deadline, sequential, p50 / p99 / max (ms)",
+                     f"{percentile(errors, 50):.1f} / {percentile(errors, 99):.1f}"
+                     f" / {max(errors):.1f}"))  # fmt: skip
+        idle.stop()
+
+        # 4. concurrent waits held by one node (2 processes), no worker: all should be 504s
+        for worker_class, extra in (
+            ("gevent", {}),
+            ("gthread 64 threads", {"GUNICORN_CMD_ARGS": "--worker-class gthread --threads 64"}),
+        ):
+            idle = start("idle", [], **extra)
+            one(idle.port, "/sample", b"warm-up", 60)
+            for concurrency in (waits // 3, waits):
+                pool = Pool(concurrency)
+                results = pool.map(
+                    lambda i, port=idle.port: one(port, "/sample", f"wait {i}".encode(), 60),
+                    range(concurrency),
+                )
+                late = sorted(
+                    (seconds - deadline_ms / 1000) * 1000
+                    for status, _, seconds in results
+                    if status == 504
+                )
+                label = f"{worker_class}, {concurrency} simultaneous waits"
+                rows.append((f"{label}: 504s / p50 / p99 / max past deadline (ms)",
+                             f"{len(late)}/{concurrency} / {percentile(late, 50):.0f} / "
+                             f"{percentile(late, 99):.0f} / {late[-1]:.0f}"))  # fmt: skip
+                gevent.sleep(1)
+            idle.stop()
+    finally:
+        for stack in stacks:
+            stack.stop()
+        if redis_server is not None:
+            redis_server.stop()
+
+    print(f"\nMachine: {os.cpu_count()} cores; SIMULATED_BATCH_MS={batch_ms}, "
+          f"SAMPLING_DEADLINE_MS={deadline_ms}; medians of {rounds} round(s)\n")  # fmt: skip
+    print("| measure | value |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+
+
+if __name__ == "__main__":
+    main()
