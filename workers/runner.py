@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 
 from sampling.aggregator import ERROR, EXPIRED, OK, REJECTED, BatchAggregator
@@ -30,7 +29,6 @@ class BatchRunner:
         self.batches = 0
         self.busy_s = 0.0
         self.busy_since: float | None = None  # monotonic time the running call started
-        self._stats_lock = threading.Lock()
 
     def warm_up(self) -> None:
         self.estimate_ms = self.sampler.warm_up()
@@ -79,9 +77,9 @@ class BatchRunner:
             self.estimate_ms += ESTIMATE_WEIGHT * (sampler_ms - self.estimate_ms)
             self.aggregator.publish_sampler_ms(self.estimate_ms)
 
-        with self._stats_lock:
-            self.batches += 1
-            self.busy_s += sampler_ms / 1000
+        # Written only by the task thread; the heartbeat thread just reads them.
+        self.batches += 1
+        self.busy_s += sampler_ms / 1000
         self._record(batch_id, sealed.now_ms, sealed.opened_at_ms, results, sampler_ms)
         return results
 
