@@ -5,11 +5,14 @@ import pytest
 from inference_site.lib.env import (
     ImproperlyConfigured,
     env_bool,
+    env_float,
     env_int,
     env_list,
     env_name,
     env_str,
+    env_text,
 )
+from inference_site.lib.stack import CPU_PROFILE, cpu_profile
 
 
 def test_defaults_when_unset_or_blank() -> None:
@@ -41,8 +44,33 @@ def test_values_are_parsed() -> None:
          "SAMPLING_MAX_BATCH_SIZE must be one of"),
         (lambda env: env_name("SAMPLING_MAX_BATCH_SIZE", "q", environ=env), "a b",
          "SAMPLING_MAX_BATCH_SIZE must be 1-64 characters"),
+        (lambda env: env_float("SAMPLING_MAX_BATCH_SIZE", 1.0, environ=env), "hot",
+         "SAMPLING_MAX_BATCH_SIZE must be a number"),
+        (lambda env: env_float("SAMPLING_MAX_BATCH_SIZE", 1.0, environ=env), "nan",
+         "SAMPLING_MAX_BATCH_SIZE must be a finite number"),
+        (lambda env: env_float("SAMPLING_MAX_BATCH_SIZE", 1.0, maximum=1, environ=env), "1.5",
+         "SAMPLING_MAX_BATCH_SIZE must be at most 1"),
+        (lambda env: env_text("SAMPLING_MAX_BATCH_SIZE", "", environ=env), "a\\q",
+         r"SAMPLING_MAX_BATCH_SIZE: unknown escape \\q"),
     ],
 )  # fmt: skip
 def test_bad_values_name_the_variable(reader, raw: str, message: str) -> None:
     with pytest.raises(ImproperlyConfigured, match=message):
         reader({"SAMPLING_MAX_BATCH_SIZE": raw})
+
+
+def test_floats_and_escaped_text() -> None:
+    assert env_float("X", 0.5, environ={}) == 0.5
+    assert env_float("X", 0.5, environ={"X": " 0.9 "}) == 0.9
+    assert env_text("X", "", environ={}) == ""
+    assert env_text("X", "", environ={"X": "\\n"}) == "\n"
+    assert env_text("X", "", environ={"X": " ###\\t\\\\n "}) == " ###\t\\n "
+    assert env_text("X", "", environ={"X": "end\\"}) == "end\\"
+
+
+def test_cpu_profile_fills_only_what_is_unset_and_only_for_a_model() -> None:
+    assert cpu_profile({}) == CPU_PROFILE
+    assert cpu_profile({"SAMPLER": "hf", "SAMPLING_DEADLINE_MS": "800"}) == {
+        "SAMPLING_MAX_NEW_TOKENS": CPU_PROFILE["SAMPLING_MAX_NEW_TOKENS"]
+    }
+    assert cpu_profile({"SAMPLER": "simulated"}) == {}

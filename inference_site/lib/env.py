@@ -13,7 +13,16 @@ from collections.abc import Mapping
 # the tooling can use them before (or without) configuring Django.
 from django.core.exceptions import ImproperlyConfigured
 
-__all__ = ["ImproperlyConfigured", "env_bool", "env_int", "env_list", "env_name", "env_str"]
+__all__ = [
+    "ImproperlyConfigured",
+    "env_bool",
+    "env_float",
+    "env_int",
+    "env_list",
+    "env_name",
+    "env_str",
+    "env_text",
+]
 
 
 def env_str(name: str, default: str, environ: Mapping[str, str] | None = None) -> str:
@@ -43,6 +52,60 @@ def env_int(
     if maximum is not None and value > maximum:
         raise ImproperlyConfigured(f"{name} must be at most {maximum}, got {value}")
     return value
+
+
+def env_float(
+    name: str,
+    default: float,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> float:
+    raw = env_str(name, "", environ).strip()
+    if not raw:
+        value = default
+    else:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ImproperlyConfigured(f"{name} must be a finite number, got {raw!r}")
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ImproperlyConfigured(f"{name} must be at most {maximum}, got {value}")
+    return value
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def env_text(name: str, default: str, environ: Mapping[str, str] | None = None) -> str:
+    r"""A string kept exactly, spaces included, in which \n, \t, \r and \\ stand for a
+    newline, a tab, a carriage return and a backslash: a stop string is often a newline, which
+    an environment file cannot hold. A trailing lone backslash is kept as it is."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    out: list[str] = []
+    index = 0
+    while index < len(raw):
+        char = raw[index]
+        if char == "\\" and index + 1 < len(raw):
+            following = raw[index + 1]
+            if following not in _ESCAPES:
+                raise ImproperlyConfigured(
+                    f"{name}: unknown escape \\{following} (use \\n, \\t, \\r or \\\\)"
+                )
+            out.append(_ESCAPES[following])
+            index += 2
+        else:
+            out.append(char)
+            index += 1
+    return "".join(out)
 
 
 _TRUE = {"1", "true", "yes", "on"}
