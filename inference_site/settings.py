@@ -10,8 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
-from inference_site.lib.env import env_bool, env_int, env_list, env_name, env_str
+from inference_site.lib.env import (
+    env_bool,
+    env_float,
+    env_int,
+    env_list,
+    env_name,
+    env_str,
+    env_text,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -90,8 +99,18 @@ SAMPLING_QUEUE = env_name("SAMPLING_QUEUE", "sampling")
 SAMPLING_MAX_BATCH_SIZE = env_int("SAMPLING_MAX_BATCH_SIZE", 100, minimum=1, maximum=100)
 SAMPLING_DEADLINE_MS = env_int("SAMPLING_DEADLINE_MS", 500, minimum=1, maximum=600_000)
 SAMPLING_MAX_PROMPT_BYTES = env_int("SAMPLING_MAX_PROMPT_BYTES", 8192, minimum=1, maximum=1 << 20)
-SAMPLER = env_str("SAMPLER", "simulated")
+# The worker's sampler: "hf" (a transformers model), "simulated", or "module:factory".
+SAMPLER = env_str("SAMPLER", "hf")
 SIMULATED_BATCH_MS = env_int("SIMULATED_BATCH_MS", 100, minimum=0, maximum=600_000)
+# SAMPLER=hf: empty for the packaged SmolLM2-135M GGUF, else a local save_pretrained
+# directory, a local .gguf file or a Hub id already in the local cache.
+SAMPLING_MODEL = env_str("SAMPLING_MODEL", "")
+SAMPLING_MAX_NEW_TOKENS = env_int("SAMPLING_MAX_NEW_TOKENS", 32, minimum=1, maximum=4096)
+SAMPLING_TEMPERATURE = env_float("SAMPLING_TEMPERATURE", 0.0, minimum=0.0, maximum=100.0)
+SAMPLING_TOP_P = env_float("SAMPLING_TOP_P", 1.0, minimum=0.0, maximum=1.0)
+if SAMPLING_TOP_P <= 0:
+    raise ImproperlyConfigured(f"SAMPLING_TOP_P must be above 0, got {SAMPLING_TOP_P}")
+SAMPLING_STOP = env_text("SAMPLING_STOP", "")
 
 # --- Celery (read by inference_site/celery.py with the CELERY_ namespace) ------------------
 CELERY_BROKER_URL = REDIS_URL

@@ -4,12 +4,16 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
 
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
+
+if TYPE_CHECKING:
+    from workers.samplers.hf import HFSampler
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +35,22 @@ def redis_client(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> HFSampler:
+    """The packaged SmolLM2 GGUF in this process, greedy, 8 new tokens, as the service's
+    SAMPLER=hf worker loads it: loaded once for the session (~25 s on 2 CPUs)."""
+    import gc
+
+    from workers.samplers.hf import GenerationSettings, HFSampler
+
+    sampler = HFSampler("", GenerationSettings(max_new_tokens=8))
+    # As the worker does (workers/lifecycle.py): without this, every full collection in this
+    # process scans the model's ~350,000 objects (~150 ms) and skews the timed tests' clients.
+    gc.collect()
+    gc.freeze()
+    return sampler
+
+
 def unique_queue(label: str) -> str:
     return f"t-{label}-{uuid.uuid4().hex[:8]}"
 
@@ -45,7 +65,7 @@ def start_stack(
 
     def start(
         label: str, env: dict[str, str] | None = None, gpus: list[int | None] | None = None,
-        web_processes: int = 1,
+        web_processes: int = 1, timeout_s: float = 60,
     ) -> Stack:  # fmt: skip
         log_dir = Path(tmp_path_factory.mktemp(label))
         stack = Stack(
@@ -56,7 +76,7 @@ def start_stack(
         )
         started.append(stack)
         try:
-            stack.start(timeout_s=60)
+            stack.start(timeout_s=timeout_s)
         except Exception:
             stack.stop()
             for log in sorted(log_dir.glob("*.log")):

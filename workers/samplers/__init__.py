@@ -17,7 +17,22 @@ def _simulated() -> Sampler:
     return SimulatedSampler(batch_ms=settings.SIMULATED_BATCH_MS)
 
 
-BUILT_IN: dict[str, Callable[[], Sampler]] = {"simulated": _simulated}
+def _hf() -> Sampler:
+    from workers.samplers.hf import GenerationSettings, HFSampler
+
+    return HFSampler(
+        settings.SAMPLING_MODEL,
+        GenerationSettings(
+            max_new_tokens=settings.SAMPLING_MAX_NEW_TOKENS,
+            temperature=settings.SAMPLING_TEMPERATURE,
+            top_p=settings.SAMPLING_TOP_P,
+            stop=settings.SAMPLING_STOP,
+        ),
+    )
+
+
+# Imported lazily: a web process never loads torch.
+BUILT_IN: dict[str, Callable[[], Sampler]] = {"hf": _hf, "simulated": _simulated}
 
 
 def load_sampler(name: str | None = None) -> Sampler:
