@@ -49,6 +49,13 @@ def worker_environment(gpu: int | None, base: dict[str, str] | None = None) -> d
     env = dict(os.environ if base is None else base)
     env["CUDA_VISIBLE_DEVICES"] = "" if gpu is None else str(gpu)
     env.setdefault("DJANGO_SETTINGS_MODULE", "inference_site.settings")
+    # A worker never downloads weights while serving: a Hub model must be in the local cache
+    # (`hf download`), or the operator sets HF_HUB_OFFLINE=0 knowingly.
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    # Progress bars (downloads; transformers' GGUF conversion uses plain tqdm) only clutter
+    # a worker's log.
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    env.setdefault("TQDM_DISABLE", "1")
     return env
 
 
