@@ -115,7 +115,15 @@ def readyz(request: HttpRequest) -> HttpResponse:
         aggregator.client.ping()
         workers = aggregator.live_workers()
     except redis.RedisError as exc:
-        return _reason(503, f"not ready: Redis does not answer ({type(exc).__name__})")
+        return _not_ready(f"not ready: Redis does not answer ({type(exc).__name__})")
     if workers == 0:
-        return _reason(503, f"not ready: no live worker for queue {aggregator.queue!r}")
+        return _not_ready(f"not ready: no live worker for queue {aggregator.queue!r}")
     return _text(200, f"ready: {workers} worker(s) for queue {aggregator.queue!r}\n")
+
+
+def _not_ready(reason: str) -> HttpResponse:
+    response = _reason(503, reason)
+    # A probe's answer, polled every second or so (and during a model's load at start), not
+    # a server error: keep it out of django.request's ERROR log.
+    response._has_been_logged = True  # type: ignore[attr-defined]
+    return response

@@ -158,3 +158,7 @@ def test_stopped_worker_gives_504_at_the_deadline_and_unready(
         time.sleep(0.2)
     assert reply.status == 503
     assert "no live worker" in reply.body
+    # A probe's 503 is an answer, not a server error: not in the web log as one.
+    assert stack.log_dir is not None
+    web_log = (stack.log_dir / "web.log").read_text()
+    assert "Service Unavailable: /readyz" not in web_log
