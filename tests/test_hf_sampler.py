@@ -4,6 +4,8 @@ for loading a real model."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,14 @@ def test_packaged_smollm2_loads_and_writes_text(smollm2: HFSampler) -> None:
 def test_packaged_smollm2_batch_matches_alone(smollm2: HFSampler) -> None:
     prompts = MIXED_PROMPTS[:3]
     assert smollm2.batched_sample(prompts) == completions_alone(smollm2, prompts)
+
+
+def test_model_benchmark_prints_its_table(tiny_model_dir: Path) -> None:
+    """bench/sampler.py at tiny scale: it runs and prints one table row per batch size."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "sampler.py"
+    command = [sys.executable, str(script), "--model", str(tiny_model_dir)]
+    command += ["--sizes", "1,3", "--repeats", "1", "--device", "cpu"]
+    output = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    rows = [line.split("|") for line in output.stdout.splitlines() if line.startswith("| ")]
+    assert [row[1].strip() for row in rows[1:]] == ["1", "3"], output.stdout
+    assert rows[2][4].strip().endswith("x")
