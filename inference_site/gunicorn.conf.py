@@ -25,3 +25,10 @@ accesslog = None if os.environ.get("WEB_ACCESS_LOG", "") in ("", "0") else "-"
 errorlog = "-"
 loglevel = env_str("LOG_LEVEL", "info").lower()
 wsgi_app = "inference_site.wsgi:application"
+
+
+def post_worker_init(worker: object) -> None:
+    """In each web process, after gevent's patching: connect before the first request."""
+    from sampling.connections import warm_up
+
+    warm_up()

@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING
 import pytest
 import redis
 
+# Nothing is fetched from a model hub in the tests: set before transformers is imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
 

@@ -71,6 +71,11 @@ def test_local_directory_gguf_file_and_hub_id(tiny_model_dir: Path, tmp_path: Pa
             resolve_model(missing)
 
 
+def test_a_hub_id_missing_from_the_cache_says_how_to_fetch_it() -> None:
+    with pytest.raises(ModelNotFound, match="hf download nobody/no-such-model"):
+        HFSampler("nobody/no-such-model")
+
+
 def test_generation_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="max_new_tokens"):
         GenerationSettings(max_new_tokens=0)

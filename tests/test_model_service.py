@@ -4,13 +4,18 @@ in this process, prompt by prompt."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from inference_site.lib.stack import Stack
+from inference_site.lib.stack import ROOT, Stack
+from tests.conftest import unique_queue
 from tests.http import sample
+from workers.launch import worker_command, worker_environment
 from workers.samplers.hf import HFSampler
 
 pytestmark = pytest.mark.integration
@@ -53,3 +58,20 @@ def test_concurrent_prompts_get_their_own_completions_and_a_too_long_one_a_400(
     assert [r.body for r in replies[:2]] == smollm2.batched_sample(prompts[:2])
     assert replies[2].body.startswith("prompt rejected by the model: prompt is ")
     assert f"at most {CONTEXT_TOKENS - 8} fit" in replies[2].body
+
+
+def test_a_worker_whose_model_cannot_load_exits(redis_url: str, tmp_path: Path) -> None:
+    """Celery swallows a worker_process_init handler's exception; the worker must not go on
+    consuming batches it cannot run."""
+    missing = tmp_path / "no-such-model"
+    base = {**os.environ, "REDIS_URL": redis_url, "SAMPLER": "hf", "SAMPLING_MODEL": str(missing)}
+    env = worker_environment(None, {**base, "SAMPLING_QUEUE": unique_queue("noload")})
+    env["PYTHONPATH"] = str(ROOT)
+    worker = subprocess.run(
+        worker_command(None, env["SAMPLING_QUEUE"]),
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = worker.stdout + worker.stderr
+    assert worker.returncode != 0, output[-2000:]
+    assert "the sampler could not be loaded, exiting" in output
+    assert f"no model at {missing}" in output

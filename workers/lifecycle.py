@@ -58,10 +58,19 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
     """Fired in the process that runs tasks (the solo pool's main process): load once."""
     global _runner
     started = time.perf_counter()
-    sampler = load_sampler()
     worker = str(sender or f"worker@{socket.gethostname()}")
-    _runner = BatchRunner(_aggregator(), sampler, worker)
-    _runner.warm_up()
+    try:
+        sampler = load_sampler()
+        _runner = BatchRunner(_aggregator(), sampler, worker)
+        _runner.warm_up()
+    except Exception as exc:
+        # Celery logs and swallows a signal handler's exception: the worker would go on
+        # consuming batches it cannot run, failing them. Leave instead (SystemExit is not an
+        # Exception, so it stops the worker's start).
+        log.critical(
+            "worker %s: the sampler could not be loaded, exiting: %s", worker, exc, exc_info=True
+        )
+        raise SystemExit(1) from exc
     # A loaded model leaves its long-lived Python objects to the cyclic collector (SmolLM2's
     # GGUF tokenizer alone: ~350,000), and one full collection over them took ~150 ms on CPU,
     # a pause in the middle of some batch. Move them out of its reach for good.

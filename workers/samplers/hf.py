@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,10 @@ def resolve_model(spec: str) -> ModelSource:
     return ModelSource(spec)  # a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
 
 
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
 def choose_device(requested: str = "") -> str:
     """The worker's pinned GPU (cuda:0: CUDA_VISIBLE_DEVICES leaves it only one), else CPU."""
     import torch
@@ -143,10 +148,19 @@ class HFSampler(Sampler):
         kwargs: dict[str, Any] = {}
         if self.source.gguf_file:
             kwargs["gguf_file"] = self.source.gguf_file
-        tokenizer = AutoTokenizer.from_pretrained(self.source.name_or_path, **kwargs)
-        network = AutoModelForCausalLM.from_pretrained(
-            self.source.name_or_path, dtype=self.dtype, **kwargs
-        )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.source.name_or_path, **kwargs)
+            network = AutoModelForCausalLM.from_pretrained(
+                self.source.name_or_path, dtype=self.dtype, **kwargs
+            )
+        except OSError as exc:
+            if self.source.is_local or not _hub_offline():
+                raise
+            raise ModelNotFound(
+                f"{self.source.name_or_path} is not in the local Hugging Face cache and "
+                f"HF_HUB_OFFLINE=1: fetch it first (hf download {self.source.name_or_path}) "
+                "or give SAMPLING_MODEL a local directory"
+            ) from exc
         self.model = network.to(self.device).eval()
 
         # A decoder continues from the last position, so the padding goes on the left, and
