@@ -135,7 +135,7 @@ class Stack:
         self._logs.clear()
 
 
-# A 135M-parameter model on a laptop CPU takes ~0.8 s for one prompt and ~9 s for a batch of
+# A 135M-parameter model on a laptop CPU takes ~1 s for one prompt and ~9 s for a batch of
 # 100 (README, "Measured figures"): the GPU's 500 ms deadline cannot hold. Without a GPU,
 # `make run` serves the real model with these instead, unless they are set.
 CPU_PROFILE = {"SAMPLING_MAX_NEW_TOKENS": "16", "SAMPLING_DEADLINE_MS": "15000"}
