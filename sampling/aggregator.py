@@ -167,6 +167,11 @@ class BatchAggregator:
         self._seal = client.register_script(SEAL_LUA)
         self._heartbeat = client.register_script(HEARTBEAT_LUA)
 
+    def load_scripts(self) -> None:
+        """Load the Lua scripts into Redis now rather than on a request's first NOSCRIPT."""
+        for script in (self._append, self._seal, self._heartbeat):
+            self.client.script_load(script.script)
+
     def append(self, request_id: str, prompt: str, budget_ms: int) -> Ticket:
         bid, index, opened, value = self._append(
             keys=[self.open_key, self.unsealed_key, self.workers_key, self.sampler_ms_key],

@@ -55,14 +55,12 @@ def warm_up() -> None:
 
     resolve("/sample")  # imports the view, the Celery task and the result backend
     try:
-        found = aggregator()
-        for script in (found._append, found._seal, found._heartbeat):
-            found.client.script_load(script.script)
+        aggregator().load_scripts()
         with celery_app.producer_pool.acquire(block=True, timeout=2) as producer:
             producer.connection.ensure_connection(max_retries=1)
             # The first publish to a queue declares it on that connection: do it now.
             queue = celery_app.amqp.queues[settings.SAMPLING_QUEUE]
             maybe_declare(queue, producer.channel)
-        celery_app.backend.listener._ensure_thread()
+        celery_app.backend.listener.ensure_started()
     except Exception as exc:  # Redis down at start: the requests will say so (503)
         log.warning("web process warm-up incomplete: %s", exc)

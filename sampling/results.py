@@ -81,7 +81,7 @@ class ResultListener:
 
     def _register(self, task_id: str) -> _Pending:
         with self._lock:
-            self._ensure_thread()
+            self.ensure_started()
             entry = self._pending.get(task_id)
             if entry is None:
                 entry = self._pending[task_id] = _Pending()
@@ -106,7 +106,7 @@ class ResultListener:
         except (redis.ConnectionError, OSError) as exc:
             log.warning("result listener: %s failed: %s", command[0], exc)
 
-    def _ensure_thread(self) -> None:
+    def ensure_started(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="result-listener", daemon=True)
             self._thread.start()

@@ -6,12 +6,16 @@ with a message naming the variable, instead of failing later on a request.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 # Only the exception class: these helpers never touch Django's settings, so the launcher and
 # the tooling can use them before (or without) configuring Django.
 from django.core.exceptions import ImproperlyConfigured
+
+N = TypeVar("N", int, float)
 
 __all__ = [
     "ImproperlyConfigured",
@@ -39,19 +43,7 @@ def env_int(
     maximum: int | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> int:
-    raw = env_str(name, "", environ).strip()
-    if not raw:
-        value = default
-    else:
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from None
-    if minimum is not None and value < minimum:
-        raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ImproperlyConfigured(f"{name} must be at most {maximum}, got {value}")
-    return value
+    return _env_number(name, default, int, "an integer", minimum, maximum, environ)
 
 
 def env_float(
@@ -62,15 +54,27 @@ def env_float(
     maximum: float | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> float:
+    return _env_number(name, default, float, "a number", minimum, maximum, environ)
+
+
+def _env_number(
+    name: str,
+    default: N,
+    parse: Callable[[str], N],
+    kind: str,
+    minimum: N | None,
+    maximum: N | None,
+    environ: Mapping[str, str] | None,
+) -> N:
     raw = env_str(name, "", environ).strip()
     if not raw:
         value = default
     else:
         try:
-            value = float(raw)
+            value = parse(raw)
         except ValueError:
-            raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
-        if value != value or value in (float("inf"), float("-inf")):
+            raise ImproperlyConfigured(f"{name} must be {kind}, got {raw!r}") from None
+        if not math.isfinite(value):
             raise ImproperlyConfigured(f"{name} must be a finite number, got {raw!r}")
     if minimum is not None and value < minimum:
         raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {value}")

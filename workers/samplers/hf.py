@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inference_site.lib.env import env_bool
 from workers.samplers.base import PromptRejected, Sampler
 
 log = logging.getLogger(__name__)
@@ -103,10 +103,6 @@ def resolve_model(spec: str) -> ModelSource:
     return ModelSource(spec)  # a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
 
 
-def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
-
-
 def choose_device(requested: str = "") -> str:
     """The worker's pinned GPU (cuda:0: CUDA_VISIBLE_DEVICES leaves it only one), else CPU."""
     import torch
@@ -154,7 +150,7 @@ class HFSampler(Sampler):
                 self.source.name_or_path, dtype=self.dtype, **kwargs
             )
         except OSError as exc:
-            if self.source.is_local or not _hub_offline():
+            if self.source.is_local or not env_bool("HF_HUB_OFFLINE", False):
                 raise
             raise ModelNotFound(
                 f"{self.source.name_or_path} is not in the local Hugging Face cache and "
