@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import tempfile
+from pathlib import Path
 
 from inference_site.lib.env import env_int, env_str
 
@@ -25,6 +27,26 @@ accesslog = None if os.environ.get("WEB_ACCESS_LOG", "") in ("", "0") else "-"
 errorlog = "-"
 loglevel = env_str("LOG_LEVEL", "info").lower()
 wsgi_app = "inference_site.wsgi:application"
+
+# Prometheus multiprocess mode: each web process writes its metrics to files in this
+# directory and GET /metrics sums them. Set here, in the master, before any worker imports
+# prometheus_client. Emptied at start: files of an earlier run would be counted again.
+if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="sampling-prometheus-")
+
+
+def on_starting(server: object) -> None:
+    directory = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.db"):  # only prometheus_client's own files
+        stale.unlink()
+
+
+def child_exit(server: object, worker: object) -> None:
+    """A dead process's live gauges go; its counters stay in the sums (they are still true)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)  # type: ignore[attr-defined]
 
 
 def post_worker_init(worker: object) -> None:

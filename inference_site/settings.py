@@ -30,24 +30,30 @@ SECRET_KEY = env_str("DJANGO_SECRET_KEY", "insecure-development-key-set-DJANGO_S
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 
 INSTALLED_APPS = [
+    # Before django.contrib.admin: its templates/admin/index.html adds the stats page link.
+    "sampling",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
-    "sampling",
     "workers",
 ]
 
 MIDDLEWARE = [
+    # HTTP-layer metrics (django_http_*), summed across processes at GET /metrics.
+    "django_prometheus.middleware.PrometheusBeforeMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # The admin's CSS and JS, served by gunicorn itself: no separate static server to run.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "inference_site.prometheus.HttpMetricsMiddleware",  # django-prometheus, fewer series
 ]
 
 ROOT_URLCONF = "inference_site.urls"
@@ -81,7 +87,10 @@ TIME_ZONE = "UTC"
 USE_I18N = False
 USE_TZ = True
 STATIC_URL = "static/"
-STATIC_ROOT = BASE_DIR / "staticfiles"
+# WhiteNoise finds the static files in the installed apps at start (the admin's ~100 files):
+# no collectstatic step before `make run` or in the image, so no STATIC_ROOT.
+WHITENOISE_USE_FINDERS = True
+PROMETHEUS_EXPORT_MIGRATIONS = False
 
 LOGGING = {
     "version": 1,
@@ -111,6 +120,14 @@ SAMPLING_TOP_P = env_float("SAMPLING_TOP_P", 1.0, minimum=0.0, maximum=1.0)
 if SAMPLING_TOP_P <= 0:
     raise ImproperlyConfigured(f"SAMPLING_TOP_P must be above 0, got {SAMPLING_TOP_P}")
 SAMPLING_STOP = env_text("SAMPLING_STOP", "")
+# The settings above are each queue's policy until an operator saves one in the admin
+# (sampling.models.SamplingPolicy), which reaches every process within a second.
+# The batch fill the stats page's GPU-count recommendation plans for (the rest is headroom).
+SAMPLING_FILL_TARGET_PERCENT = env_int("SAMPLING_FILL_TARGET_PERCENT", 90, minimum=1, maximum=100)
+# How long per-minute statistics rows stay in the database.
+SAMPLING_STATS_RETENTION_DAYS = env_int(
+    "SAMPLING_STATS_RETENTION_DAYS", 30, minimum=1, maximum=3650
+)
 
 # --- Celery (read by inference_site/celery.py with the CELERY_ namespace) ------------------
 CELERY_BROKER_URL = REDIS_URL

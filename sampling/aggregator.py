@@ -16,9 +16,12 @@ This module knows nothing of Django or models: it takes a redis client and numbe
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis
+
+from sampling import stats
 
 # KEYS: open pointer, unsealed batches (zset), live workers (zset), recent sampler ms
 # ARGV: candidate batch id, request id, prompt, budget ms, max size, ttl ms,
@@ -146,15 +149,9 @@ class BatchAggregator:
         max_batch_size: int = 100,
         deadline_ms: int = 500,
     ) -> None:
-        if not 1 <= max_batch_size <= 100:
-            raise ValueError(f"max_batch_size must be 1..100, got {max_batch_size}")
         self.client = client
         self.queue = queue
-        self.max_batch_size = max_batch_size
-        self.deadline_ms = deadline_ms
-        # A few deadlines: long enough for any batch a live caller waits on, short enough
-        # that an abandoned batch (no worker) does not linger.
-        self.ttl_ms = max(4 * deadline_ms, 2000)
+        self.configure(max_batch_size=max_batch_size, deadline_ms=deadline_ms)
         tag = f"sampling:{{{queue}}}"
         self.open_key = f"{tag}:open"
         self.unsealed_key = f"{tag}:unsealed"
@@ -166,6 +163,16 @@ class BatchAggregator:
         self._append = client.register_script(APPEND_LUA)
         self._seal = client.register_script(SEAL_LUA)
         self._heartbeat = client.register_script(HEARTBEAT_LUA)
+
+    def configure(self, *, max_batch_size: int, deadline_ms: int) -> None:
+        """Apply a policy: called at start and by the policy watcher when it changes."""
+        if not 1 <= max_batch_size <= 100:
+            raise ValueError(f"max_batch_size must be 1..100, got {max_batch_size}")
+        self.max_batch_size = max_batch_size
+        self.deadline_ms = deadline_ms
+        # A few deadlines: long enough for any batch a live caller waits on, short enough
+        # that an abandoned batch (no worker) does not linger.
+        self.ttl_ms = max(4 * deadline_ms, 2000)
 
     def load_scripts(self) -> None:
         """Load the Lua scripts into Redis now rather than on a request's first NOSCRIPT."""
@@ -207,11 +214,15 @@ class BatchAggregator:
     def forget_worker(self, worker: str) -> None:
         self.client.zrem(self.workers_key, worker)
 
-    def record_batch(self, record: str, keep: int = 1000) -> None:
-        """Keep the last `keep` batch records (JSON) for operators and tests."""
+    def record_batch(
+        self, record: str, counts: Mapping[str, int], at_s: float, keep: int = 1000
+    ) -> None:
+        """Keep the last `keep` batch records (JSON) for operators and tests, and add the
+        batch's statistics `counts` to the time buckets of `at_s`: one round trip."""
         with self.client.pipeline(transaction=False) as pipe:
             pipe.lpush(self.batch_log_key, record)
             pipe.ltrim(self.batch_log_key, 0, keep - 1)
+            stats.add_counts(pipe, self.queue, at_s, counts)
             pipe.execute()
 
     def recent_batches(self, count: int = 1000) -> list[bytes]:

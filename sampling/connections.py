@@ -1,4 +1,4 @@
-"""The per-process Redis client and aggregator of a web process.
+"""The per-process Redis client, aggregator, live policy and statistics of a web process.
 
 Built lazily after gunicorn forks (and after gevent patches sockets), once per process.
 The pool is bounded: thousands of waiting requests share a few dozen connections, since a
@@ -9,23 +9,34 @@ from __future__ import annotations
 
 import logging
 import os
+import random
+import threading
+import time
+from dataclasses import dataclass
 
 import redis
 from django.conf import settings
 
 from sampling.aggregator import BatchAggregator
+from sampling.models import default_policy
+from sampling.policy import PolicyWatcher
+from sampling.stats import RequestStats
 
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS_PER_PROCESS = 64
+STATS_FLUSH_INTERVAL_S = 1.0
+HOUSEKEEPING_INTERVAL_S = 10.0
 
-_by_pid: dict[int, BatchAggregator] = {}
+_clients: dict[int, redis.Redis] = {}
+_web: dict[int, WebProcess] = {}
 
 
-def aggregator() -> BatchAggregator:
+def redis_client() -> redis.Redis:
+    """This process's Redis client, over a bounded pool."""
     pid = os.getpid()
-    found = _by_pid.get(pid)
-    if found is None:
+    client = _clients.get(pid)
+    if client is None:
         pool = redis.BlockingConnectionPool.from_url(
             settings.REDIS_URL,
             max_connections=MAX_CONNECTIONS_PER_PROCESS,
@@ -33,13 +44,71 @@ def aggregator() -> BatchAggregator:
             socket_timeout=5,
             socket_connect_timeout=2,
         )
-        found = _by_pid[pid] = BatchAggregator(
-            redis.Redis(connection_pool=pool),
+        client = _clients[pid] = redis.Redis(connection_pool=pool)
+    return client
+
+
+@dataclass
+class WebProcess:
+    """What the request path of this process uses: the aggregator, the live policy and the
+    statistics buffer, kept up to date by two background threads (greenlets under gevent):
+    the policy watcher, and a loop that flushes statistics and runs the housekeeping."""
+
+    client: redis.Redis
+    aggregator: BatchAggregator
+    watcher: PolicyWatcher
+    stats: RequestStats
+
+    def start(self) -> None:
+        try:
+            self.watcher.refresh()  # the first request must not see the defaults for 0.5 s
+        except redis.RedisError as exc:
+            log.warning("cannot read the policy yet: %s", exc)
+        self.watcher.start()
+        threading.Thread(target=self._background, name="stats-flush", daemon=True).start()
+
+    def _background(self) -> None:
+        from sampling import housekeeping
+
+        next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S * random.random()
+        while True:
+            time.sleep(STATS_FLUSH_INTERVAL_S)
+            try:
+                self.stats.flush(self.client)
+            except redis.RedisError as exc:
+                log.warning("statistics not flushed (kept for the next try): %s", exc)
+            if time.monotonic() >= next_housekeeping:
+                next_housekeeping = time.monotonic() + HOUSEKEEPING_INTERVAL_S
+                try:
+                    housekeeping.run(self.client, self.aggregator.queue, self.watcher.current)
+                except Exception:
+                    log.exception("housekeeping failed")
+
+
+def web_process() -> WebProcess:
+    pid = os.getpid()
+    found = _web.get(pid)
+    if found is None:
+        client = redis_client()
+        aggregator = BatchAggregator(
+            client,
             settings.SAMPLING_QUEUE,
             max_batch_size=settings.SAMPLING_MAX_BATCH_SIZE,
             deadline_ms=settings.SAMPLING_DEADLINE_MS,
         )
+        watcher = PolicyWatcher(client, settings.SAMPLING_QUEUE, default_policy())
+        watcher.on_change(
+            lambda p: aggregator.configure(
+                max_batch_size=p.max_batch_size, deadline_ms=p.deadline_ms
+            )
+        )
+        found = _web[pid] = WebProcess(client, aggregator, watcher, RequestStats(aggregator.queue))
+        found.start()
     return found
+
+
+def aggregator() -> BatchAggregator:
+    return web_process().aggregator
 
 
 def warm_up() -> None:
@@ -55,7 +124,7 @@ def warm_up() -> None:
 
     resolve("/sample")  # imports the view, the Celery task and the result backend
     try:
-        aggregator().load_scripts()
+        web_process().aggregator.load_scripts()
         with celery_app.producer_pool.acquire(block=True, timeout=2) as producer:
             producer.connection.ensure_connection(max_retries=1)
             # The first publish to a queue declares it on that connection: do it now.

@@ -8,4 +8,5 @@ urlpatterns = [
     path("sample", views.sample, name="sample"),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
+    path("metrics", views.metrics_view, name="metrics"),
 ]

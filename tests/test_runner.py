@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import redis
+from prometheus_client import generate_latest
 
+from sampling import stats
 from sampling.aggregator import ERROR, EXPIRED, OK, REJECTED, BatchAggregator
+from sampling.policy import Policy
 from tests.conftest import unique_queue
 from workers.runner import BatchRunner
-from workers.samplers.base import PromptRejected, Sampler
+from workers.samplers.base import GenerationSettings, PromptRejected, Sampler
 from workers.samplers.simulated import SimulatedSampler, expected_completion
 
 
@@ -104,3 +108,48 @@ def test_estimate_follows_measured_calls(aggregator: BatchAggregator) -> None:
     ticket = aggregator.append("r", "E equals ", 5000)
     assert runner.run(ticket.batch_id) == [[OK, expected_completion("E equals ")]]
     assert runner.batches == 1 and runner.busy_s > 0.02
+
+
+def test_the_live_policy_reaches_the_sampler_between_calls(aggregator: BatchAggregator) -> None:
+    sampler = RecordingSampler()
+    live = {"policy": Policy(max_batch_size=100, max_new_tokens=32, version=1)}
+    runner = BatchRunner(aggregator, sampler, "w", policy=lambda: live["policy"])
+    ticket = aggregator.append("r0", "a", 500)
+    runner.run(ticket.batch_id)
+    assert sampler.generation.max_new_tokens == 32
+    live["policy"] = Policy(max_batch_size=100, max_new_tokens=7, stop="\n", version=2)
+    ticket = aggregator.append("r1", "b", 500)
+    runner.run(ticket.batch_id)
+    assert sampler.generation == GenerationSettings(max_new_tokens=7, stop="\n")
+    assert runner.applied_version == 2
+
+
+def test_a_batch_opened_under_a_larger_max_runs_in_calls_of_the_new_max(
+    aggregator: BatchAggregator,
+) -> None:
+    sampler = RecordingSampler()
+    tickets = [aggregator.append(f"r{i}", f"p{i}", 500) for i in range(12)]  # max 100 then
+    runner = BatchRunner(aggregator, sampler, "w", policy=lambda: Policy(max_batch_size=5))
+    results = runner.run(tickets[0].batch_id)
+    assert [len(call) for call in sampler.calls] == [5, 5, 2]
+    assert results == [[OK, f"P{i}"] for i in range(12)]
+    record = json.loads(aggregator.recent_batches(1)[0])
+    assert (record["size"], record["max_batch_size"]) == (12, 5)
+
+
+def test_a_batch_is_counted_in_the_statistics_and_metrics(aggregator: BatchAggregator) -> None:
+    runner = BatchRunner(aggregator, SimulatedSampler(batch_ms=5), "w")
+    runner.estimate_ms = 100
+    live = aggregator.append("live", "x", 500)
+    aggregator.append("late", "y", 10)  # cannot be met by a 100 ms call
+    runner.run(live.batch_id)
+    now = int(time.time())
+    buckets = stats.read_buckets(
+        aggregator.client, aggregator.queue, stats.SECOND, now - 2, now + 1
+    )
+    counts = stats.merge(c for _, c in buckets)
+    assert (counts["batches"], counts["items"], counts["expired"], counts["calls"]) == (1, 2, 1, 1)
+    assert counts["w:w:batches"] == 1 and counts["capacity"] == 100
+    text = generate_latest(runner.metrics.registry).decode()
+    assert 'sampling_expired_items_total{worker="w"} 1.0' in text
+    assert 'sampling_batch_size_sum{worker="w"} 2.0' in text

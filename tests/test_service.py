@@ -81,7 +81,7 @@ def test_bad_input_gets_a_4xx_with_a_reason(service: Stack) -> None:
     cases = {
         "empty": (b"", 400, "empty prompt"),
         "invalid utf-8": (b"\xff\xfeabc", 400, "not valid UTF-8"),
-        "too long": (b"a" * 8193, 400, "SAMPLING_MAX_PROMPT_BYTES"),
+        "too long": (b"a" * 8193, 400, "over the 8192-byte limit"),
     }
     for name, (body, status, reason) in cases.items():
         reply = sample(service.base_url, body)

@@ -56,6 +56,9 @@ def worker_environment(gpu: int | None, base: dict[str, str] | None = None) -> d
     # a worker's log.
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     env.setdefault("TQDM_DISABLE", "1")
+    # A worker publishes its metrics through Redis (workers/metrics.py); in the web
+    # processes' multiprocess directory they would be counted twice.
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     return env
 
 

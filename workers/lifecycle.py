@@ -19,7 +19,9 @@ import redis
 from celery import signals
 from django.conf import settings
 
+from sampling import stats
 from sampling.aggregator import BatchAggregator
+from sampling.policy import PolicyWatcher
 from workers.runner import BatchRunner
 from workers.samplers import load_sampler
 
@@ -29,6 +31,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 # A call running longer than this is taken for a hung sampler: the worker stops advertising
 # itself, so /readyz and admission no longer count it.
 STUCK_CALL_S = 60.0
+# A stopped worker's row stays on the stats page this long.
+WORKER_INFO_TTL_MS = stats.KNOWN_WORKERS_S * 1000
 
 _runner: BatchRunner | None = None
 _stop = threading.Event()
@@ -53,6 +57,17 @@ def _aggregator() -> BatchAggregator:
     )
 
 
+def _watcher(aggregator: BatchAggregator) -> PolicyWatcher:
+    from sampling.models import default_policy
+
+    watcher = PolicyWatcher(aggregator.client, aggregator.queue, default_policy())
+    try:
+        watcher.refresh()  # load the published policy before the model, not after
+    except redis.RedisError as exc:
+        log.warning("cannot read the policy yet: %s", exc)
+    return watcher.start()
+
+
 @signals.worker_process_init.connect
 def load_runner(sender: object = None, **kwargs: object) -> None:
     """Fired in the process that runs tasks (the solo pool's main process): load once."""
@@ -60,8 +75,10 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
     started = time.perf_counter()
     worker = str(sender or f"worker@{socket.gethostname()}")
     try:
+        aggregator = _aggregator()
+        watcher = _watcher(aggregator)
         sampler = load_sampler()
-        _runner = BatchRunner(_aggregator(), sampler, worker)
+        _runner = BatchRunner(aggregator, sampler, worker, policy=lambda: watcher.current)
         _runner.warm_up()
     except Exception as exc:
         # Celery logs and swallows a signal handler's exception: the worker would go on
@@ -91,28 +108,41 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
 
 
 def _heartbeat_loop(runner: BatchRunner) -> None:
+    """Once a second: liveness (for admission and /readyz), the worker's row of the stats
+    page, its alive-seconds (for busy %), and its Prometheus metrics; one round trip."""
     aggregator = runner.aggregator
     info_key = aggregator.worker_info_prefix + runner.worker
     while not _stop.is_set():
         busy_since = runner.busy_since
         stuck = busy_since is not None and time.monotonic() - busy_since > STUCK_CALL_S
+        now = time.time()
         try:
             if stuck:
                 log.error("sampler call running for over %.0f s: not advertising", STUCK_CALL_S)
                 aggregator.forget_worker(runner.worker)
             else:
                 aggregator.heartbeat(runner.worker)
-                info = {
-                    "worker": runner.worker,
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                    "sampler": runner.sampler.name,
-                    "batches": runner.batches,
-                    "busy_s": round(runner.busy_s, 3),
-                    "estimate_ms": round(runner.estimate_ms, 2),
-                }
-                aggregator.client.set(info_key, json.dumps(info), px=60_000)
+            policy = runner.policy()
+            info = {
+                "worker": runner.worker,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                "sampler": runner.sampler.name,
+                "batches": runner.batches,
+                "busy_s": round(runner.busy_s, 3),
+                "estimate_ms": round(runner.estimate_ms, 2),
+                "policy_version": policy.version,
+                "max_batch_size": policy.max_batch_size,
+                "max_new_tokens": runner.sampler.generation.max_new_tokens,
+                "state": "stuck" if stuck else ("busy" if busy_since is not None else "idle"),
+                "heartbeat_at": now,
+            }
+            with aggregator.client.pipeline(transaction=False) as pipe:
+                pipe.set(info_key, json.dumps(info), px=WORKER_INFO_TTL_MS)
+                stats.add_counts(pipe, aggregator.queue, now, stats.alive_counts(runner.worker))
+                runner.metrics.publish(pipe, aggregator.queue, now)
+                pipe.execute()
         except redis.RedisError as exc:
             log.warning("heartbeat failed: %s", exc)
         _stop.wait(HEARTBEAT_INTERVAL_S)
@@ -123,5 +153,11 @@ def _heartbeat_loop(runner: BatchRunner) -> None:
 def stop_heartbeat(sender: object = None, **kwargs: object) -> None:
     _stop.set()
     if _runner is not None:
-        with contextlib.suppress(redis.RedisError):
-            _runner.aggregator.forget_worker(_runner.worker)
+        aggregator = _runner.aggregator
+        with contextlib.suppress(redis.RedisError, ValueError):
+            aggregator.forget_worker(_runner.worker)
+            info_key = aggregator.worker_info_prefix + _runner.worker
+            raw = aggregator.client.get(info_key)
+            if raw:  # the stats page shows it as stopped rather than as silent
+                info = {**json.loads(raw), "state": "stopped", "heartbeat_at": time.time()}
+                aggregator.client.set(info_key, json.dumps(info), px=WORKER_INFO_TTL_MS)

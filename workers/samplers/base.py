@@ -8,8 +8,27 @@ from __future__ import annotations
 
 import abc
 import time
+from dataclasses import dataclass
 
 MAX_BATCH = 100
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How a model continues a prompt: the generation part of the sampling policy."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy, deterministic
+    top_p: float = 1.0
+    stop: str = ""  # cut the completion before the first occurrence; "" for none
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be 0 (greedy) or more, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 class PromptRejected(Exception):
@@ -20,6 +39,14 @@ class PromptRejected(Exception):
 class Sampler(abc.ABC):
     #: a short name for logs and the worker's heartbeat
     name: str = "sampler"
+    #: the settings the next call uses; a sampler without generation settings ignores them
+    generation: GenerationSettings = GenerationSettings()
+
+    def configure(self, generation: GenerationSettings) -> None:
+        """Use `generation` from the next call on (the worker calls it between calls when the
+        policy changes). Raises ValueError, keeping the current settings, if they cannot
+        apply."""
+        self.generation = generation
 
     def batched_sample(self, prompts: list[str]) -> list[str | PromptRejected]:
         if not prompts:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from inference_site.lib.env import env_bool
-from workers.samplers.base import PromptRejected, Sampler
+from workers.samplers.base import GenerationSettings, PromptRejected, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -30,22 +30,6 @@ FALLBACK_CONTEXT_TOKENS = 2048
 
 class ModelNotFound(Exception):
     """SAMPLING_MODEL names a local path that does not exist, or the packaged model is missing."""
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0: greedy, deterministic
-    top_p: float = 1.0
-    stop: str = ""  # cut the completion before the first occurrence; "" for none
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be 0 (greedy) or more, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass(frozen=True)
@@ -134,7 +118,6 @@ class HFSampler(Sampler):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a worker's log is not a terminal
-        self.generation = generation or GenerationSettings()
         self.source = resolve_model(model)
         self.device = choose_device(device)
         self.dtype = choose_dtype(self.device)
@@ -168,36 +151,8 @@ class HFSampler(Sampler):
         self.tokenizer = tokenizer
 
         self.context_tokens = self._context_tokens()
-        self.max_prompt_tokens = self.context_tokens - self.generation.max_new_tokens
-        if self.max_prompt_tokens < 1:
-            raise ValueError(
-                f"max new tokens ({self.generation.max_new_tokens}) leaves no room for a prompt "
-                f"in the model's {self.context_tokens}-token context"
-            )
-
-        settings = self.generation
-        sampling = settings.temperature > 0
-        model_defaults = self.model.generation_config
-        # Built from scratch so a checkpoint's own sampling defaults (temperature, top_k...)
-        # never change what the service's settings say.
-        self.generation_config = GenerationConfig(
-            max_new_tokens=settings.max_new_tokens,
-            do_sample=sampling,
-            temperature=settings.temperature if sampling else None,
-            top_p=settings.top_p if sampling else None,
-            top_k=0 if sampling else None,  # only temperature and top-p shape the draw
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=model_defaults.eos_token_id or tokenizer.eos_token_id,
-            bos_token_id=model_defaults.bos_token_id or tokenizer.bos_token_id,
-        )
-        self.stopping_criteria = None
-        if settings.stop:
-            from transformers import StoppingCriteriaList, StopStringCriteria
-
-            # Ends a sequence's generation at the stop string; the batch ends when all have.
-            self.stopping_criteria = StoppingCriteriaList(
-                [StopStringCriteria(tokenizer=tokenizer, stop_strings=[settings.stop])]
-            )
+        self._generation_config_class = GenerationConfig
+        self.configure(generation or GenerationSettings())
         self._torch = torch
         if self.device == "cpu":
             log.warning(
@@ -213,11 +168,47 @@ class HFSampler(Sampler):
             str(self.dtype).removeprefix("torch."),
             time.perf_counter() - started,
             self.context_tokens,
-            settings.max_new_tokens,
-            settings.temperature,
-            settings.top_p,
-            settings.stop,
+            self.generation.max_new_tokens,
+            self.generation.temperature,
+            self.generation.top_p,
+            self.generation.stop,
         )
+
+    def configure(self, generation: GenerationSettings) -> None:
+        max_prompt_tokens = self.context_tokens - generation.max_new_tokens
+        if max_prompt_tokens < 1:
+            raise ValueError(
+                f"max new tokens ({generation.max_new_tokens}) leaves no room for a prompt "
+                f"in the model's {self.context_tokens}-token context"
+            )
+        tokenizer = self.tokenizer
+        sampling = generation.temperature > 0
+        model_defaults = self.model.generation_config
+        # Built from scratch so a checkpoint's own sampling defaults (temperature, top_k...)
+        # never change what the service's settings say.
+        generation_config = self._generation_config_class(
+            max_new_tokens=generation.max_new_tokens,
+            do_sample=sampling,
+            temperature=generation.temperature if sampling else None,
+            top_p=generation.top_p if sampling else None,
+            top_k=0 if sampling else None,  # only temperature and top-p shape the draw
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=model_defaults.eos_token_id or tokenizer.eos_token_id,
+            bos_token_id=model_defaults.bos_token_id or tokenizer.bos_token_id,
+        )
+        stopping_criteria = None
+        if generation.stop:
+            from transformers import StoppingCriteriaList, StopStringCriteria
+
+            # Ends a sequence's generation at the stop string; the batch ends when all have.
+            stopping_criteria = StoppingCriteriaList(
+                [StopStringCriteria(tokenizer=tokenizer, stop_strings=[generation.stop])]
+            )
+        # Swapped together, between calls (the worker's task thread calls this).
+        self.max_prompt_tokens = max_prompt_tokens
+        self.generation_config = generation_config
+        self.stopping_criteria = stopping_criteria
+        self.generation = generation
 
     def _context_tokens(self) -> int:
         config = self.model.config

@@ -1,0 +1,99 @@
+"""Prometheus metrics of the service, served by every web node at GET /metrics.
+
+- Web processes count requests in prometheus_client's multiprocess mode: gunicorn sets
+  PROMETHEUS_MULTIPROC_DIR before its workers start (inference_site/gunicorn.conf.py), each
+  process writes its own file, and /metrics sums them, so any process's answer covers all.
+- Workers run on other machines: each one publishes its own metrics (workers/metrics.py) to
+  Redis with its heartbeat, once a second, and /metrics adds them, labelled by worker. So
+  one scrape of any web node shows the whole queue; workers serve no port of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+
+from sampling.stats import KNOWN_WORKERS_S, OUTCOMES, known_workers_key
+
+LATENCY_BUCKETS_S = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75,
+    1.0, 1.5, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+REQUESTS = Counter(
+    "sampling_requests", "Requests to /sample, by outcome (ok: a completion returned)", ["outcome"]
+)
+REQUEST_LATENCY = Histogram(
+    "sampling_request_latency_seconds",
+    "Time from a /sample request's arrival to its answer, any outcome",
+    buckets=LATENCY_BUCKETS_S,
+)
+# One child per outcome, made once: a label lookup per request costs more than the increment.
+REQUESTS_BY_OUTCOME = {outcome: REQUESTS.labels(outcome=outcome) for outcome in OUTCOMES}
+
+
+def record_request(outcome: str, latency_s: float) -> None:
+    REQUESTS_BY_OUTCOME[outcome].inc()
+    REQUEST_LATENCY.observe(latency_s)
+
+
+def worker_metrics_key(queue: str, worker: str) -> str:
+    return f"sampling:{{{queue}}}:metrics:{worker}"
+
+
+# Series of a worker that stopped publishing are dropped after this long.
+WORKER_METRICS_TTL_S = 120
+
+
+class WorkerMetricsCollector:
+    """The workers' published expositions, merged family by family."""
+
+    def __init__(self, client: redis.Redis, queue: str) -> None:
+        self.client = client
+        self.queue = queue
+
+    def texts(self) -> list[str]:
+        workers = self.client.zrange(
+            known_workers_key(self.queue), int(time.time() - KNOWN_WORKERS_S), "+inf", byscore=True
+        )
+        if not workers:
+            return []
+        texts = self.client.mget([worker_metrics_key(self.queue, w.decode()) for w in workers])
+        return [text.decode() for text in texts if text is not None]
+
+    def collect(self) -> list[Metric]:
+        families: dict[str, Metric] = {}
+        for text in self.texts():
+            for family in text_string_to_metric_families(text):
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                merged.samples.extend(family.samples)
+        return list(families.values())
+
+
+def exposition(client: redis.Redis, queue: str) -> bytes:
+    """This node's web processes (all of them, from the multiprocess files) and every worker."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        web = CollectorRegistry()
+        MultiProcessCollector(web)
+        text = generate_latest(web)
+    else:  # one process (manage.py runserver, tests in-process): its default registry
+        from prometheus_client import REGISTRY
+
+        text = generate_latest(REGISTRY)
+    workers = CollectorRegistry(auto_describe=False)
+    workers.register(WorkerMetricsCollector(client, queue))  # type: ignore[arg-type]
+    try:
+        text += generate_latest(workers)
+    except redis.RedisError as exc:
+        text += f"# workers' metrics unavailable: Redis error {type(exc).__name__}\n".encode()
+    return text

@@ -1,0 +1,200 @@
+"""The sampling policy of one queue, as every web process and worker of that queue sees it.
+
+Operators edit it in the Django admin (sampling.models.SamplingPolicy); a save publishes it to
+Redis as one JSON value with a version number, and each process polls that one key twice a
+second from a background thread (a greenlet under gevent). The request path only reads the
+process's copy: no database query and no extra Redis call per request. Without a published
+policy, the environment's settings (SAMPLING_*) are the policy, version 0.
+
+This module knows nothing of Django: it takes a redis client and plain values.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
+
+import redis
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.5
+
+# Bounds shared by the environment settings, the admin form and published values: name ->
+# (minimum, maximum). Temperature 0 is greedy; top-p must be above 0.
+LIMITS: dict[str, tuple[float, float]] = {
+    "max_batch_size": (1, 100),
+    "deadline_ms": (1, 600_000),
+    "max_prompt_bytes": (1, 1 << 20),
+    "max_new_tokens": (1, 4096),
+    "temperature": (0.0, 100.0),
+    "top_p": (0.0, 1.0),
+    "fill_target_percent": (1, 100),
+}
+
+
+@dataclass(frozen=True)
+class Policy:
+    max_batch_size: int = 100
+    deadline_ms: int = 500
+    max_prompt_bytes: int = 8192
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: str = ""
+    # The batch fill the GPU-count recommendation plans for: 100% leaves no headroom.
+    fill_target_percent: int = 90
+    version: int = 0  # 0: the environment's defaults, never published
+
+    def problems(self) -> list[str]:
+        """Every bound this policy breaks, one readable line each; empty when valid."""
+        found = []
+        for name, (low, high) in LIMITS.items():
+            value = getattr(self, name)
+            if not low <= value <= high:
+                found.append(f"{name} must be between {low:g} and {high:g}, got {value:g}")
+        if self.top_p <= 0:
+            found.append(f"top_p must be above 0, got {self.top_p:g}")
+        return found
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Policy:
+        data = json.loads(raw)
+        known = {f.name for f in fields(cls)}
+        policy = cls(**{name: value for name, value in data.items() if name in known})
+        problems = policy.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        return policy
+
+    def changes_from(self, other: Policy) -> dict[str, tuple[object, object]]:
+        """name -> (other's value, this value) for each setting that differs (not version)."""
+        return {
+            f.name: (getattr(other, f.name), getattr(self, f.name))
+            for f in fields(self)
+            if f.name != "version" and getattr(other, f.name) != getattr(self, f.name)
+        }
+
+    def with_version(self, version: int) -> Policy:
+        return replace(self, version=version)
+
+
+def policy_key(queue: str) -> str:
+    return f"sampling:{{{queue}}}:policy"
+
+
+# KEYS: policy key; ARGV: policy JSON, its version. Never replaces a newer version, so a
+# process republishing what it read a moment ago cannot undo a save that just happened.
+PUBLISH_LUA = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  local ok, decoded = pcall(cjson.decode, current)
+  if ok and type(decoded) == 'table' and tonumber(decoded['version'])
+     and tonumber(decoded['version']) > tonumber(ARGV[2]) then
+    return 0
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+def publish(client: redis.Redis, queue: str, policy: Policy) -> bool:
+    """Make `policy` the one every process of `queue` applies within POLL_INTERVAL_S; False
+    when a newer version is already published."""
+    problems = policy.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+    script = client.register_script(PUBLISH_LUA)
+    return bool(script(keys=[policy_key(queue)], args=[policy.to_json(), policy.version]))
+
+
+def withdraw(client: redis.Redis, queue: str) -> None:
+    """Back to the environment's defaults (the policy row was deleted)."""
+    client.delete(policy_key(queue))
+
+
+class PolicyWatcher:
+    """This process's copy of the queue's policy, refreshed by polling one Redis key."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        queue: str,
+        defaults: Policy,
+        interval_s: float = POLL_INTERVAL_S,
+    ) -> None:
+        self.client = client
+        self.queue = queue
+        self.defaults = defaults
+        self.interval_s = interval_s
+        self.current = defaults
+        self._raw: bytes | None = None
+        self._listeners: list[Callable[[Policy], None]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def on_change(self, listener: Callable[[Policy], None]) -> None:
+        """Call `listener(policy)` now and whenever the policy changes (from the poller)."""
+        self._listeners.append(listener)
+        listener(self.current)
+
+    def refresh(self) -> bool:
+        """Read the published policy once; True when it changed. Raises redis errors."""
+        raw = self.client.get(policy_key(self.queue))
+        if raw == self._raw:
+            return False
+        self._raw = raw
+        if raw is None:
+            policy = self.defaults
+        else:
+            try:
+                policy = Policy.from_json(raw)
+            except (ValueError, TypeError) as exc:
+                # A bad value must not take the service down: keep the last good one.
+                log.error("ignoring an invalid published policy for %s: %s", self.queue, exc)
+                return False
+        if policy == self.current:
+            return False
+        previous, self.current = self.current, policy
+        log.info(
+            "queue %s: policy version %d applied (%s)",
+            self.queue,
+            policy.version,
+            ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in policy.changes_from(previous).items())
+            or "no setting changed",
+        )
+        for listener in self._listeners:
+            try:
+                listener(policy)
+            except Exception:
+                log.exception("a policy listener failed")
+        return True
+
+    def start(self) -> PolicyWatcher:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="policy-watcher", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+                failing = False
+            except redis.RedisError as exc:
+                if not failing:  # once per outage, not twice a second
+                    log.warning("cannot read the policy of %s: %s", self.queue, exc)
+                failing = True
+            self._stop.wait(self.interval_s)

@@ -1,0 +1,88 @@
+"""A worker's Prometheus metrics, published to Redis with each heartbeat.
+
+GPU nodes serve no metrics port: the web nodes' GET /metrics merges what every worker of the
+queue published (sampling/metrics.py), so Prometheus scrapes the web nodes only.
+"""
+
+from __future__ import annotations
+
+import redis
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from sampling.metrics import WORKER_METRICS_TTL_S, worker_metrics_key
+from sampling.stats import KNOWN_WORKERS_S, known_workers_key
+
+BATCH_SIZE_BUCKETS = (1, 2, 5, 10, 20, 30, 40, 50, 60, 70, 80, 90, 95, 100)
+SECONDS_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+    10.0, 30.0,
+)  # fmt: skip
+
+
+class WorkerMetrics:
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+        # A registry of its own: nothing else of the process is exported, and no _created
+        # series (they would be one more sample per series, per worker, per scrape).
+        disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["worker"]
+        options = {"labelnames": labels, "registry": self.registry}
+        self.batch_size = Histogram(
+            "sampling_batch_size",
+            "Prompts per batch when the worker sealed it (expired ones included)",
+            buckets=BATCH_SIZE_BUCKETS,
+            **options,
+        ).labels(worker)
+        self.queue_wait = Histogram(
+            "sampling_batch_queue_wait_seconds",
+            "Time from a batch's opening (its first request) to its sealing by a free worker",
+            buckets=SECONDS_BUCKETS,
+            **options,
+        ).labels(worker)
+        self.sampler = Histogram(
+            "sampling_sampler_seconds",
+            "Duration of one batched_sample call",
+            buckets=SECONDS_BUCKETS,
+            **options,
+        ).labels(worker)
+        self.expired = Counter(
+            "sampling_expired_items",
+            "Items dropped before sampling because their deadline could not be met",
+            **options,
+        ).labels(worker)
+        self.busy = Counter(
+            "sampling_worker_busy_seconds",
+            "Time spent in batched_sample calls (busy % = rate of this)",
+            **options,
+        ).labels(worker)
+        self.batches = Counter("sampling_batches", "Batches run", **options).labels(worker)
+
+    def observe_batch(
+        self, *, size: int, expired: int, queue_wait_ms: int | None, sampler_ms: float
+    ) -> None:
+        self.batches.inc()
+        self.batch_size.observe(size)
+        self.expired.inc(expired)
+        if queue_wait_ms is not None:
+            self.queue_wait.observe(max(0, queue_wait_ms) / 1000)
+        if size > expired:
+            self.sampler.observe(sampler_ms / 1000)
+            self.busy.inc(sampler_ms / 1000)
+
+    def publish(self, pipe: redis.client.Pipeline, queue: str, now_s: float) -> None:
+        """Queue this worker's exposition and its index entry on `pipe`."""
+        pipe.set(
+            worker_metrics_key(queue, self.worker),
+            generate_latest(self.registry),
+            ex=WORKER_METRICS_TTL_S,
+        )
+        index = known_workers_key(queue)
+        pipe.zadd(index, {self.worker: now_s})
+        pipe.zremrangebyscore(index, "-inf", now_s - KNOWN_WORKERS_S)
