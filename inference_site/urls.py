@@ -3,7 +3,11 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import include, path
 
+from sampling.admin import stats_page
+
 urlpatterns = [
+    # Before the admin's own URLs, which would take every path under admin/.
+    path("admin/stats/", admin.site.admin_view(stats_page), name="sampling-stats"),
     path("admin/", admin.site.urls),
     path("", include("sampling.urls")),
 ]

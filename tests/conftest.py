@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -59,9 +61,29 @@ def unique_queue(label: str) -> str:
     return f"t-{label}-{uuid.uuid4().hex[:8]}"
 
 
+ADMIN_USER = "operator"
+ADMIN_PASSWORD = "correct horse battery staple"
+
+
+@pytest.fixture(scope="session")
+def database_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A migrated SQLite database with an admin account, shared by the stacks' processes,
+    made the way the README tells an operator to (manage.py migrate, createsuperuser)."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'db.sqlite3'}"
+    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SUPERUSER_PASSWORD": ADMIN_PASSWORD}
+    manage = [sys.executable, str(Path(__file__).resolve().parents[1] / "manage.py")]
+    subprocess.run([*manage, "migrate", "--noinput", "-v0"], env=env, check=True)
+    subprocess.run(
+        [*manage, "createsuperuser", "--noinput", "--username", ADMIN_USER,
+         "--email", "operator@example.com"],
+        env=env, check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return url
+
+
 @pytest.fixture(scope="session")
 def start_stack(
-    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+    redis_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., Stack]]:
     """Start a real stack (gunicorn + Celery workers) on the shared Redis; stopped at the end
     of the session, or earlier by the test. Process logs are printed when a start fails."""
@@ -73,7 +95,12 @@ def start_stack(
     ) -> Stack:  # fmt: skip
         log_dir = Path(tmp_path_factory.mktemp(label))
         stack = Stack(
-            env={"REDIS_URL": redis_url, "SAMPLING_QUEUE": unique_queue(label), **(env or {})},
+            env={
+                "REDIS_URL": redis_url,
+                "DATABASE_URL": database_url,
+                "SAMPLING_QUEUE": unique_queue(label),
+                **(env or {}),
+            },
             gpus=[None] if gpus is None else gpus,
             web_processes=web_processes,
             log_dir=log_dir,

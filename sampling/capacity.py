@@ -1,0 +1,108 @@
+"""How many GPUs the observed traffic needs: the stats page's recommendation.
+
+A GPU runs one call at a time, each taking about `sampler_ms` whatever the batch size, so a
+GPU whose batches are filled to `fill` of `max_batch_size` carries
+max_batch_size x fill / sampler_s requests per second. The fewest GPUs for a rate is
+therefore ceil(rate x sampler_s / (max_batch_size x fill target)). The fill target (below
+100%) is the headroom: at 100% every GPU is busy all the time and any burst waits.
+
+Django-free: plain numbers in, a Recommendation out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+OVER = "over-provisioned"
+UNDER = "under-provisioned"
+RIGHT = "right-sized"
+IDLE = "no traffic"
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    rate_rps: float
+    sampler_ms: float
+    max_batch_size: int
+    fill_target_percent: int
+    live_gpus: int
+    needed_gpus: int
+    mean_batch: float | None
+    deadline_ms: int
+
+    @property
+    def per_gpu_rps(self) -> float:
+        """Requests/s one GPU carries at the fill target."""
+        return self.max_batch_size * self.fill_target_percent / 100 / (self.sampler_ms / 1000)
+
+    @property
+    def verdict(self) -> str:
+        if self.rate_rps <= 0:
+            return IDLE
+        if self.live_gpus > self.needed_gpus:
+            return OVER
+        if self.live_gpus < self.needed_gpus:
+            return UNDER
+        return RIGHT
+
+    @property
+    def message(self) -> str:
+        gpus = _plural(self.live_gpus, "GPU")
+        if self.verdict == IDLE:
+            return f"no traffic with {gpus}: 1 GPU is enough to stay available"
+        batch = f"average batch {self.mean_batch:,.0f}" if self.mean_batch is not None else ""
+        head = f"{batch} with {gpus} at {self.rate_rps:,.0f} req/s".strip()
+        surplus = self.live_gpus - self.needed_gpus
+        if surplus > 0:
+            advice = f"{_plural(surplus, 'GPU')} could be released"
+        elif surplus < 0:
+            advice = f"{_plural(-surplus, 'more GPU')} needed"
+        else:
+            advice = "right-sized"
+        target = f"{self.needed_gpus} at a {self.fill_target_percent}% fill target"
+        text = f"{head}: {advice} ({target})"
+        if self.sampler_ms >= self.deadline_ms:
+            text += (
+                f"; but one call takes {self.sampler_ms:,.0f} ms, over the "
+                f"{self.deadline_ms:,} ms deadline: more GPUs will not meet it"
+            )
+        return text
+
+
+def needed_gpus(
+    rate_rps: float, sampler_ms: float, max_batch_size: int, fill_target_percent: int
+) -> int:
+    """The fewest GPUs that carry `rate_rps` with batches filled to the target; 1 when idle
+    (a service with no GPU answers nothing)."""
+    if rate_rps <= 0:
+        return 1
+    # Integer-friendly order: 22,500 x 100 ms / (100 x 100%) is exactly 22.5, not 22.50..01.
+    load = rate_rps * sampler_ms * 100 / (1000 * max_batch_size * fill_target_percent)
+    return max(1, math.ceil(load - 1e-9))
+
+
+def recommend(
+    *,
+    rate_rps: float,
+    sampler_ms: float,
+    max_batch_size: int,
+    fill_target_percent: int,
+    live_gpus: int,
+    deadline_ms: int,
+    mean_batch: float | None = None,
+) -> Recommendation:
+    return Recommendation(
+        rate_rps=rate_rps,
+        sampler_ms=sampler_ms,
+        max_batch_size=max_batch_size,
+        fill_target_percent=fill_target_percent,
+        live_gpus=live_gpus,
+        needed_gpus=needed_gpus(rate_rps, sampler_ms, max_batch_size, fill_target_percent),
+        mean_batch=mean_batch,
+        deadline_ms=deadline_ms,
+    )
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
