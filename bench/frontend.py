@@ -103,8 +103,12 @@ def closed_loop(port: int, path: str, requests: int, concurrency: int, check: bo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
+    parser.add_argument(
+        "--cpu-only", action="store_true", help="only the front-end CPU per request (part 2)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of part 2 (default 3)")
     args = parser.parse_args()
-    rounds = 1 if args.quick else 3
+    rounds = 1 if args.quick else args.rounds
     cpu_requests = 100 if args.quick else 1000
     sequential = 10 if args.quick else 100
     waits = 150 if args.quick else 3000
@@ -159,6 +163,8 @@ def main() -> None:
         rows.append(("ratio full path / bare view", f"{full / bare:.2f}"))
         rows.append(("  (/sample throughput in that test, req/s)",
                      f"{statistics.median(rates['/sample']):.0f}"))  # fmt: skip
+        if args.cpu_only:
+            return report(rows, batch_ms, deadline_ms, rounds)
 
         # 3. deadline accuracy: sequential requests on a queue with no worker
         idle = start("idle", [])
@@ -213,6 +219,10 @@ def main() -> None:
         if redis_server is not None:
             redis_server.stop()
 
+    report(rows, batch_ms, deadline_ms, rounds)
+
+
+def report(rows: list[tuple[str, str]], batch_ms: int, deadline_ms: int, rounds: int) -> None:
     print(f"\nMachine: {os.cpu_count()} cores; SIMULATED_BATCH_MS={batch_ms}, "
           f"SAMPLING_DEADLINE_MS={deadline_ms}; medians of {rounds} round(s)\n")  # fmt: skip
     print("| measure | value |\n|---|---|")
