@@ -60,10 +60,6 @@ class WebProcess:
     stats: RequestStats
 
     def start(self) -> None:
-        try:
-            self.watcher.refresh()  # the first request must not see the defaults for 0.5 s
-        except redis.RedisError as exc:
-            log.warning("cannot read the policy yet: %s", exc)
         self.watcher.start()
         threading.Thread(target=self._background, name="stats-flush", daemon=True).start()
 
@@ -90,13 +86,14 @@ def web_process() -> WebProcess:
     found = _web.get(pid)
     if found is None:
         client = redis_client()
+        defaults = default_policy()
         aggregator = BatchAggregator(
             client,
             settings.SAMPLING_QUEUE,
-            max_batch_size=settings.SAMPLING_MAX_BATCH_SIZE,
-            deadline_ms=settings.SAMPLING_DEADLINE_MS,
+            max_batch_size=defaults.max_batch_size,
+            deadline_ms=defaults.deadline_ms,
         )
-        watcher = PolicyWatcher(client, settings.SAMPLING_QUEUE, default_policy())
+        watcher = PolicyWatcher(client, settings.SAMPLING_QUEUE, defaults)
         watcher.on_change(
             lambda p: aggregator.configure(
                 max_batch_size=p.max_batch_size, deadline_ms=p.deadline_ms
@@ -105,10 +102,6 @@ def web_process() -> WebProcess:
         found = _web[pid] = WebProcess(client, aggregator, watcher, RequestStats(aggregator.queue))
         found.start()
     return found
-
-
-def aggregator() -> BatchAggregator:
-    return web_process().aggregator
 
 
 def warm_up() -> None:

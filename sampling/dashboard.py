@@ -100,7 +100,7 @@ def build(client: redis.Redis, queue: str, policy: Policy, now: float | None = N
         mean_batch=recent.mean_batch(),
     )
     dashboard = Dashboard(queue, policy, now, recent, live, advice)
-    dashboard.workers = _workers(client, aggregator, minute, now)
+    dashboard.workers = _workers(client, aggregator, recent, now)
     dashboard.charts = _charts(hour, policy, now)
     return dashboard
 
@@ -108,7 +108,7 @@ def build(client: redis.Redis, queue: str, policy: Policy, now: float | None = N
 def _workers(
     client: redis.Redis,
     aggregator: BatchAggregator,
-    minute: list[tuple[int, Counter[str]]],
+    recent: stats.Summary,
     now: float,
 ) -> list[WorkerRow]:
     names = [
@@ -123,7 +123,6 @@ def _workers(
     if not names:
         return []
     infos = client.mget([aggregator.worker_info_prefix + name for name in names])
-    recent = stats.Summary(stats.merge(c for _, c in minute), RECENT_S)
     rows = []
     for name, raw in zip(names, infos, strict=True):
         info = json.loads(raw) if raw else {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import redis
@@ -43,8 +44,8 @@ def _bounded(name: str, unit: str = "") -> list[Any]:
     low, high = live_policy.LIMITS[name]
     suffix = f" {unit}" if unit else ""
     return [
-        MinValueValidator(low, f"must be at least {low:g}{suffix}"),
-        MaxValueValidator(high, f"must be at most {high:g}{suffix}"),
+        MinValueValidator(low, f"must be at least {live_policy.number(low)}{suffix}"),
+        MaxValueValidator(high, f"must be at most {live_policy.number(high)}{suffix}"),
     ]
 
 
@@ -54,40 +55,12 @@ def _default_queue() -> str:
     return settings.SAMPLING_QUEUE
 
 
-def _default(name: str) -> Any:
+def policy_default(name: str) -> Any:
     return getattr(default_policy(), name)
 
 
-def default_max_batch_size() -> int:
-    return _default("max_batch_size")
-
-
-def default_deadline_ms() -> int:
-    return _default("deadline_ms")
-
-
-def default_max_prompt_bytes() -> int:
-    return _default("max_prompt_bytes")
-
-
-def default_max_new_tokens() -> int:
-    return _default("max_new_tokens")
-
-
-def default_temperature() -> float:
-    return _default("temperature")
-
-
-def default_top_p() -> float:
-    return _default("top_p")
-
-
-def default_stop() -> str:
-    return _default("stop")
-
-
-def default_fill_target_percent() -> int:
-    return _default("fill_target_percent")
+def _default(name: str) -> partial[Any]:
+    return partial(policy_default, name)
 
 
 POLICY_FIELDS = (
@@ -110,32 +83,32 @@ class SamplingPolicy(models.Model):
         help_text="The Celery queue of the served model (SAMPLING_QUEUE of its processes).",
     )
     max_batch_size = models.PositiveSmallIntegerField(
-        default=default_max_batch_size,
+        default=_default("max_batch_size"),
         validators=_bounded("max_batch_size", "prompts"),
         help_text="A batch closes when it holds this many prompts (1 to 100).",
     )
     deadline_ms = models.PositiveIntegerField(
         "deadline (ms)",
-        default=default_deadline_ms,
+        default=_default("deadline_ms"),
         validators=_bounded("deadline_ms", "ms"),
         help_text="A request gets its completion or a 504 within this many milliseconds.",
     )
     max_prompt_bytes = models.PositiveIntegerField(
-        default=default_max_prompt_bytes,
+        default=_default("max_prompt_bytes"),
         validators=_bounded("max_prompt_bytes", "bytes"),
         help_text="Longer prompts get a 400 at once.",
     )
     max_new_tokens = models.PositiveIntegerField(
-        default=default_max_new_tokens, validators=_bounded("max_new_tokens", "tokens")
+        default=_default("max_new_tokens"), validators=_bounded("max_new_tokens", "tokens")
     )
     temperature = models.FloatField(
-        default=default_temperature,
+        default=_default("temperature"),
         validators=_bounded("temperature"),
         help_text="0 is greedy (the same prompt always gets the same completion).",
     )
     top_p = models.FloatField(
         "top-p",
-        default=default_top_p,
+        default=_default("top_p"),
         validators=_bounded("top_p"),
         help_text="Above 0, at most 1 (1: no nucleus cut). Used when temperature is above 0.",
     )
@@ -143,12 +116,12 @@ class SamplingPolicy(models.Model):
         "stop string",
         max_length=200,
         blank=True,
-        default=default_stop,
+        default=_default("stop"),
         help_text="Completions end before its first occurrence. Empty for none.",
     )
     fill_target_percent = models.PositiveSmallIntegerField(
         "fill target (%)",
-        default=default_fill_target_percent,
+        default=_default("fill_target_percent"),
         validators=_bounded("fill_target_percent", "%"),
         help_text="The batch fill the GPU-count recommendation plans for; the rest is headroom.",
     )

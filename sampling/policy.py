@@ -55,9 +55,11 @@ class Policy:
         for name, (low, high) in LIMITS.items():
             value = getattr(self, name)
             if not low <= value <= high:
-                found.append(f"{name} must be between {low:g} and {high:g}, got {value:g}")
+                found.append(
+                    f"{name} must be between {number(low)} and {number(high)}, got {number(value)}"
+                )
         if self.top_p <= 0:
-            found.append(f"top_p must be above 0, got {self.top_p:g}")
+            found.append(f"top_p must be above 0, got {number(self.top_p)}")
         return found
 
     def to_json(self) -> str:
@@ -83,6 +85,11 @@ class Policy:
 
     def with_version(self, version: int) -> Policy:
         return replace(self, version=version)
+
+
+def number(value: float) -> str:
+    """1,048,576 for an int, 0.7 for a float: bounds as an operator reads them."""
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
 def policy_key(queue: str) -> str:
@@ -178,6 +185,12 @@ class PolicyWatcher:
         return True
 
     def start(self) -> PolicyWatcher:
+        """Read the policy now (the first request or batch must not see the defaults for one
+        interval), then poll it in a daemon thread."""
+        try:
+            self.refresh()
+        except redis.RedisError as exc:
+            log.warning("cannot read the policy of %s yet: %s", self.queue, exc)
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="policy-watcher", daemon=True)

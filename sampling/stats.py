@@ -210,10 +210,6 @@ class Summary:
         alive = self.counts[prefix + "alive"]
         return min(100.0, 100 * self.counts[prefix + "busy_us"] / 1e6 / alive) if alive else None
 
-    def mean_latency_ms(self) -> float | None:
-        total = sum(self.counts[f"lat:{i}"] for i in range(len(LATENCY_BOUNDS_MS) + 1))
-        return self.counts["lat_us"] / 1000 / total if total else None
-
     def latency_percentile_ms(self, q: float) -> float | None:
         return histogram_percentile(
             [self.counts[f"lat:{i}"] for i in range(len(LATENCY_BOUNDS_MS) + 1)], q
@@ -235,7 +231,3 @@ def histogram_percentile(bucket_counts: list[int], q: float) -> float | None:
             return low + (high - low) * max(0.0, rank - seen) / count
         seen += count
     return LATENCY_BOUNDS_MS[-1]
-
-
-def workers_in(counts: Mapping[str, int]) -> set[str]:
-    return {k[2:].rsplit(":", 1)[0] for k in counts if k.startswith("w:")}

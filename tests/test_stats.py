@@ -30,7 +30,7 @@ def test_request_counts_flush_to_both_granularities(redis_client: redis.Redis) -
     assert summary.requests() == 11
     assert summary.requests(stats.TIMEOUT) == 2
     assert summary.demand_rate() == pytest.approx(1.0)  # 10 of 11 asked for a completion
-    assert summary.mean_latency_ms() == pytest.approx((10 * 120 + 80) / 11, rel=1e-3)
+    assert summary.counts["lat_us"] == 10 * 120_000 + 80_000
     assert redis_client.ttl(stats.bucket_key(queue, stats.TEN_SECONDS, 1_800_000_000)) > 3600
 
 
@@ -80,7 +80,6 @@ def test_batch_and_alive_counts_give_fill_and_busy() -> None:
     assert summary.mean_sampler_ms() == 100
     assert summary.busy_percent() == pytest.approx(10)  # 0.2 s busy of 2 worker-seconds
     assert summary.busy_percent("g0") == pytest.approx(10)
-    assert stats.workers_in(counts) == {"g0", "g1"}
 
 
 def test_a_failed_flush_keeps_the_counts() -> None:

@@ -60,12 +60,8 @@ def _aggregator() -> BatchAggregator:
 def _watcher(aggregator: BatchAggregator) -> PolicyWatcher:
     from sampling.models import default_policy
 
-    watcher = PolicyWatcher(aggregator.client, aggregator.queue, default_policy())
-    try:
-        watcher.refresh()  # load the published policy before the model, not after
-    except redis.RedisError as exc:
-        log.warning("cannot read the policy yet: %s", exc)
-    return watcher.start()
+    # Started before the model loads, so the warm-up already runs with the published policy.
+    return PolicyWatcher(aggregator.client, aggregator.queue, default_policy()).start()
 
 
 @signals.worker_process_init.connect
@@ -109,7 +105,7 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
 
 def _heartbeat_loop(runner: BatchRunner) -> None:
     """Once a second: liveness (for admission and /readyz), the worker's row of the stats
-    page, its alive-seconds (for busy %), and its Prometheus metrics; one round trip."""
+    page, its alive-seconds (for busy %), and its Prometheus metrics: two round trips."""
     aggregator = runner.aggregator
     info_key = aggregator.worker_info_prefix + runner.worker
     while not _stop.is_set():
