@@ -23,7 +23,7 @@ import redis
 
 from sampling import stats
 
-# KEYS: open pointer, unsealed batches (zset), live workers (zset), recent sampler ms
+# KEYS: open pointer, unsealed batches (zset), live workers (zset), recent ms per batch
 # ARGV: candidate batch id, request id, prompt, budget ms, max size, ttl ms,
 #       heartbeat timeout ms, batch key prefix, admission window ms
 # Returns {batch id, index, opened, deadline ms} or {"", -1, 0, predicted ms} when rejected.
@@ -36,16 +36,20 @@ local bid = redis.call('GET', KEYS[1])
 
 -- Admission: when batches are queued behind every live worker (a backlog), predict when a
 -- batch joined now would finish, from the batches ahead of it, the workers and the recent
--- sampling time, and refuse at once if that is past the deadline. Without a backlog (or
--- without live workers) the request is always taken: the worker drops it if it cannot be
--- met, and without workers it waits for its deadline.
+-- time of a batch's turn on a GPU, and refuse at once if that is past the deadline. The
+-- prediction is the worst case: the calls running now may have just started, so the batch
+-- waits for them, for the batches ahead, then for its own call. An optimistic one lets in
+-- requests that expire in the queue: the benchmark's overload runs lost a quarter of the
+-- goodput that way (docs/benchmarks). Without a backlog (or without live workers) the
+-- request is always taken: the worker drops it if it cannot be met, and without workers it
+-- waits for its deadline.
 local workers = redis.call('ZCOUNT', KEYS[3], now - tonumber(ARGV[7]), '+inf')
 if workers > 0 then
   local sampler_ms = tonumber(redis.call('GET', KEYS[4]) or '0')
   local ahead = redis.call('ZCOUNT', KEYS[2], now - tonumber(ARGV[9]), '+inf')
   if bid then ahead = ahead - 1 end
   if sampler_ms > 0 and ahead >= workers then
-    local predicted = (math.floor(ahead / workers) + 1) * sampler_ms
+    local predicted = (math.floor(ahead / workers) + 2) * sampler_ms
     if predicted > budget then
       return {'', -1, 0, predicted}
     end
@@ -229,5 +233,6 @@ class BatchAggregator:
         return self.client.lrange(self.batch_log_key, 0, count - 1)
 
     def publish_sampler_ms(self, sampler_ms: float) -> None:
+        """Publish how long a batch's turn on a GPU takes, for admission control."""
         # Kept a few deadlines only: a stale figure must not throttle admission forever.
         self.client.set(self.sampler_ms_key, max(1, round(sampler_ms)), px=self.ttl_ms * 5)

@@ -124,9 +124,10 @@ def test_admission_refuses_only_a_backlog_that_cannot_meet_the_deadline(
     assert not aggregator.append("r", "p", 50).rejected
     # Close the open batch by filling it, so batches pile up behind the single worker.
     backlog = BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=1)
-    for i in range(5):
+    for i in range(4):
         assert not backlog.append(f"b{i}", "p", 500).rejected
-    # 5 batches unsealed, 1 worker: the next batch would finish after about 600 ms.
+    # 4 batches unsealed, 1 worker: the next batch would wait for them and for the call
+    # that may have just started, then take its own: about 600 ms in the worst case.
     refused = backlog.append("late", "p", 500)
     assert refused.rejected
     assert refused.predicted_ms == 600

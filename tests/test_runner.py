@@ -108,6 +108,9 @@ def test_estimate_follows_measured_calls(aggregator: BatchAggregator) -> None:
     ticket = aggregator.append("r", "E equals ", 5000)
     assert runner.run(ticket.batch_id) == [[OK, expected_completion("E equals ")]]
     assert runner.batches == 1 and runner.busy_s > 0.02
+    # Admission reads a batch's whole turn (seal, call, record), at least the call itself.
+    assert runner.turn_ms >= runner.estimate_ms * 0.9
+    assert int(aggregator.client.get(aggregator.sampler_ms_key)) == round(runner.turn_ms)
 
 
 def test_the_live_policy_reaches_the_sampler_between_calls(aggregator: BatchAggregator) -> None:

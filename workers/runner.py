@@ -48,15 +48,18 @@ class BatchRunner:
         )
         self.metrics = metrics or WorkerMetrics(worker)
         self.applied_version = -1
-        self.estimate_ms = 0.0
+        self.estimate_ms = 0.0  # one sampling call: the deadline-drop cutoff
+        # One batch's whole turn on this GPU (seal, calls, record): what admission predicts
+        # queued batches with.
+        self.turn_ms = 0.0
         self.batches = 0
         self.busy_s = 0.0
         self.busy_since: float | None = None  # monotonic time the running call started
 
     def warm_up(self) -> None:
         self.apply_policy()
-        self.estimate_ms = self.sampler.warm_up()
-        self.aggregator.publish_sampler_ms(self.estimate_ms)
+        self.estimate_ms = self.turn_ms = self.sampler.warm_up()
+        self.aggregator.publish_sampler_ms(self.turn_ms)
         log.info("sampler %s warmed up: %.1f ms per call", self.sampler.name, self.estimate_ms)
 
     def apply_policy(self) -> Policy:
@@ -81,6 +84,7 @@ class BatchRunner:
         return policy
 
     def run(self, batch_id: str) -> list[list[str]]:
+        started = time.perf_counter()
         policy = self.apply_policy()
         sealed = self.aggregator.seal(batch_id)
         items = sealed.items
@@ -109,6 +113,10 @@ class BatchRunner:
         self.batches += 1
         self.busy_s += sampler_ms / 1000
         self._record(batch_id, sealed, results, sampler_ms, len(chunks), policy)
+        if chunks:  # a batch dropped whole took no GPU time: not a turn to learn from
+            turn_ms = (time.perf_counter() - started) * 1000
+            self.turn_ms += ESTIMATE_WEIGHT * (turn_ms - self.turn_ms)
+            self.aggregator.publish_sampler_ms(self.turn_ms)
         return results
 
     def _sample(
@@ -138,7 +146,6 @@ class BatchRunner:
             self.busy_since = None
         sampler_ms = (time.perf_counter() - started) * 1000
         self.estimate_ms += ESTIMATE_WEIGHT * (sampler_ms - self.estimate_ms)
-        self.aggregator.publish_sampler_ms(self.estimate_ms)
         return sampler_ms
 
     def _record(
