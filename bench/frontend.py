@@ -36,28 +36,10 @@ from gevent.pool import Pool  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import contextlib  # noqa: E402
-
+from bench.procstat import cpu_seconds  # noqa: E402
 from inference_site.lib.embedded_redis import EmbeddedRedis  # noqa: E402
 from inference_site.lib.stack import Stack  # noqa: E402
 from workers.samplers.simulated import expected_completion  # noqa: E402
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time of a process and its children (gunicorn master and its workers)."""
-    total = 0.0
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    for p in pids:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
-    return total
 
 
 def one(

@@ -40,6 +40,7 @@ class Stack:
     env: dict[str, str] = field(default_factory=dict)  # overrides for every process
     gpus: list[int | None] = field(default_factory=lambda: [None])  # None: a CPU worker
     web_processes: int = 2
+    worker_args: list[str] = field(default_factory=list)  # appended to `celery worker`'s
     port: int = 0
     log_dir: Path | None = None  # None: the processes write to this terminal
     redis: EmbeddedRedis | None = None
@@ -84,7 +85,7 @@ class Stack:
         queue = env_str("SAMPLING_QUEUE", "sampling", environ=env)
         output = self._output(f"worker-{'cpu' if gpu is None else gpu}")
         worker = subprocess.Popen(
-            worker_command(gpu, queue), cwd=ROOT, env=env, stdout=output,
+            worker_command(gpu, queue, self.worker_args), cwd=ROOT, env=env, stdout=output,
             stderr=subprocess.STDOUT if output else None, start_new_session=True,
         )  # fmt: skip
         self.workers.append(worker)

@@ -1,0 +1,215 @@
+"""An open-loop HTTP load generator: Poisson arrivals at a fixed rate, whatever the server does.
+
+A closed loop (N connections, each waiting for its answer before the next request) slows
+down with the server and hides its latency under overload. Here each request has an
+intended send time drawn from a Poisson process, and its latency is measured from that
+intended time, so a late send (the client itself behind) counts against the result rather
+than vanishing (no coordinated omission). Every request gets a connection: an idle
+keep-alive one, or a new one.
+
+Each request's prompt is distinct, and each 200's body is checked against `expected(prompt)`.
+Django-free and service-free: a host, a port, a path and numbers in; Results out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+OK = "ok"  # a 200 whose body is the prompt's expected completion
+WRONG = "wrong"  # a 200 with someone else's (or no) completion: must never happen
+TIMEOUT = "504"
+OVERLOADED = "503"
+OTHER = "other"  # any other status, a connection error, or no answer within the client's wait
+
+
+@dataclass
+class Results:
+    rate_rps: float
+    duration_s: float
+    latencies_ms: list[float] = field(default_factory=list)  # one per request, any outcome
+    outcomes: list[str] = field(default_factory=list)
+    send_lag_ms: list[float] = field(default_factory=list)  # actual minus intended send time
+    wall_s: float = 0.0  # first intended send to last answer
+    client_cpu_s: float = 0.0
+    examples: dict[str, str] = field(default_factory=dict)  # one body per outcome
+
+    @property
+    def sent(self) -> int:
+        return len(self.outcomes)
+
+    def count(self, outcome: str) -> int:
+        return self.outcomes.count(outcome)
+
+    @property
+    def goodput_rps(self) -> float:
+        return self.count(OK) / self.duration_s
+
+    def share(self, outcome: str) -> float:
+        return self.count(outcome) / self.sent if self.sent else 0.0
+
+    def percentile_ms(self, q: float, outcome: str | None = None) -> float:
+        """Latency percentile over every request (failures included at their own latency)."""
+        values = [
+            latency
+            for latency, got in zip(self.latencies_ms, self.outcomes, strict=True)
+            if outcome is None or got == outcome
+        ]
+        return percentile(values, q)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n q / 100), at least the first
+    return ordered[int(min(rank, len(ordered))) - 1]
+
+
+def poisson_schedule(rate_rps: float, duration_s: float, seed: int) -> list[float]:
+    """Intended send offsets (s) of a Poisson process of `rate_rps` over `duration_s`."""
+    rng = random.Random(seed)
+    offsets, at = [], rng.expovariate(rate_rps)
+    while at < duration_s:
+        offsets.append(at)
+        at += rng.expovariate(rate_rps)
+    return offsets
+
+
+class _Connections:
+    """Idle keep-alive connections to one server, opened on demand."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def get(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.idle:
+            return self.idle.pop()
+        return await asyncio.open_connection(self.host, self.port, limit=1 << 16)
+
+    def put(self, connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+        self.idle.append(connection)
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+        self.idle.clear()
+
+
+async def _exchange(connections: _Connections, request: bytes) -> tuple[int, bytes]:
+    reader, writer = await connections.get()
+    try:
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        length, keep_alive = 0, True
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"connection" and value.strip().lower() == b"close":
+                keep_alive = False
+        body = await reader.readexactly(length) if length else b""
+    except BaseException:
+        writer.close()
+        raise
+    if keep_alive:
+        connections.put((reader, writer))
+    else:
+        writer.close()
+    return status, body
+
+
+async def _run(
+    host: str,
+    port: int,
+    path: str,
+    rate_rps: float,
+    duration_s: float,
+    prompt: Callable[[int], str],
+    expected: Callable[[str], str],
+    client_timeout_s: float,
+    seed: int,
+    post: bool,
+) -> Results:
+    offsets = poisson_schedule(rate_rps, duration_s, seed)
+    results = Results(rate_rps, duration_s)
+    results.latencies_ms = [0.0] * len(offsets)
+    results.outcomes = [OTHER] * len(offsets)
+    results.send_lag_ms = [0.0] * len(offsets)
+    connections = _Connections(host, port)
+    loop = asyncio.get_running_loop()
+
+    async def one(index: int, intended: float) -> None:
+        text = prompt(index)
+        body = text.encode("utf-8")
+        if post:
+            request = (
+                f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"
+                "Content-Type: text/plain\r\n\r\n"
+            ).encode() + body
+        else:
+            request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+        results.send_lag_ms[index] = (loop.time() - intended) * 1000
+        try:
+            status, answer = await asyncio.wait_for(
+                _exchange(connections, request), timeout=client_timeout_s
+            )
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            outcome, answer = OTHER, f"{type(exc).__name__}: {exc}".encode()
+        else:
+            if status == 200:
+                outcome = OK if answer.decode("utf-8", "replace") == expected(text) else WRONG
+            elif status == 504:
+                outcome = TIMEOUT
+            elif status == 503:
+                outcome = OVERLOADED
+            else:
+                outcome = OTHER
+            answer = f"{status} ".encode() + answer
+        results.latencies_ms[index] = (loop.time() - intended) * 1000
+        results.outcomes[index] = outcome
+        results.examples.setdefault(outcome, answer.decode("utf-8", "replace")[:200])
+
+    cpu_before = time.process_time()
+    start = loop.time() + 0.05
+    tasks = []
+    for index, offset in enumerate(offsets):
+        intended = start + offset
+        delay = intended - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(index, intended)))
+    await asyncio.gather(*tasks)
+    results.wall_s = loop.time() - start
+    connections.close()
+    results.client_cpu_s = time.process_time() - cpu_before
+    return results
+
+
+def run(
+    host: str,
+    port: int,
+    path: str,
+    rate_rps: float,
+    duration_s: float,
+    prompt: Callable[[int], str],
+    expected: Callable[[str], str],
+    *,
+    client_timeout_s: float = 3.0,
+    seed: int = 1,
+    post: bool = True,
+) -> Results:
+    """Offer `rate_rps` Poisson requests for `duration_s` and wait for every answer (or the
+    client's timeout). GET without a body when `post` is false (a bare view)."""
+    work = _run(
+        host, port, path, rate_rps, duration_s, prompt, expected, client_timeout_s, seed, post
+    )
+    return asyncio.run(work)
