@@ -40,7 +40,7 @@ class Stack:
     env: dict[str, str] = field(default_factory=dict)  # overrides for every process
     gpus: list[int | None] = field(default_factory=lambda: [None])  # None: a CPU worker
     web_processes: int = 2
-    worker_args: list[str] = field(default_factory=list)  # appended to `celery worker`'s
+    worker_args: list[str] = field(default_factory=list)  # extra `celery worker` arguments
     port: int = 0
     log_dir: Path | None = None  # None: the processes write to this terminal
     redis: EmbeddedRedis | None = None
