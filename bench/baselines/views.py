@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from django.conf import settings
@@ -40,22 +41,23 @@ def _wait(task_id: str, deadline: float) -> HttpResponse:
     return _text(200, completion)
 
 
-@csrf_exempt
-def per_request(request: HttpRequest) -> HttpResponse:
+def _via_task(request: HttpRequest, task: Any) -> HttpResponse:
+    """Send the prompt as one message of `task` and wait for that message's result."""
     deadline = time.monotonic() + settings.SAMPLING_DEADLINE_MS / 1000
     prompt = _prompt(request)
     if isinstance(prompt, HttpResponse):
         return prompt
-    return _wait(tasks.sample_one.delay(prompt).id, deadline)
+    return _wait(task.delay(prompt).id, deadline)
+
+
+@csrf_exempt
+def per_request(request: HttpRequest) -> HttpResponse:
+    return _via_task(request, tasks.sample_one)
 
 
 @csrf_exempt
 def celery_batches(request: HttpRequest) -> HttpResponse:
-    deadline = time.monotonic() + settings.SAMPLING_DEADLINE_MS / 1000
-    prompt = _prompt(request)
-    if isinstance(prompt, HttpResponse):
-        return prompt
-    return _wait(tasks.sample_batched.delay(prompt).id, deadline)
+    return _via_task(request, tasks.sample_batched)
 
 
 class _Waiter:
