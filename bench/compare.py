@@ -1,7 +1,7 @@
 """Our batching against the designs a Celery user would pick instead, under open-loop load.
 
-    .venv/bin/python bench/compare.py            # `make bench-compare`: about 10 minutes
-    .venv/bin/python bench/compare.py --quick    # a tiny run (the test suite's smoke test)
+    .venv/bin/python -m bench.compare            # `make bench-compare`: about 7 minutes
+    .venv/bin/python -m bench.compare --quick    # a tiny run (the test suite's smoke test)
 
 For N = 1 and N = 2 simulated GPUs (Celery workers with the simulated sampler, 100 ms per
 call whatever the batch size), each design gets its own service (gunicorn with 2 processes,
@@ -13,7 +13,7 @@ and 200% of N x 1,000 req/s (100 per call / 100 ms: the GPUs' limit). Designs:
   timer           a batcher in each web process            (bench/baselines)
   bare view       GET /healthz on our service: the front end's floor
 Every 200's body is checked against the simulated sampler's completion of its prompt.
-Each of our rows is also simulated (sampling/simulation.py) to validate the capacity planner.
+Each of our rows is also simulated (planning/simulation.py) to validate the capacity planner.
 Writes docs/benchmarks/results.md, results.json and three PNG plots; prints the table.
 """
 
@@ -25,29 +25,29 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import redis
 
-import redis  # noqa: E402
-
-from bench import loadgen  # noqa: E402
-from bench.baselines import calls_key  # noqa: E402
-from bench.procstat import cpu_seconds  # noqa: E402
-from inference_site.lib.embedded_redis import EmbeddedRedis  # noqa: E402
-from inference_site.lib.stack import Stack  # noqa: E402
-from sampling import simulation  # noqa: E402
-from workers.samplers.simulated import expected_completion  # noqa: E402
+from batching.keys import QueueKeys
+from batching.outcomes import RequestOutcome
+from batching.policy import MAX_BATCH_SIZE, Policy
+from bench import loadgen
+from bench.baselines import calls_key
+from bench.procstat import cpu_seconds
+from inference_site.lib.embedded_redis import EmbeddedRedis
+from inference_site.lib.stack import ROOT, Stack
+from planning import simulation
+from workers.samplers.simulated import expected_completion
 
 BATCH_MS = 100
-MAX_BATCH = 100
-DEADLINE_MS = 500
+MAX_BATCH = MAX_BATCH_SIZE
+DEADLINE_MS = Policy.deadline_ms
 PER_GPU_RPS = MAX_BATCH * 1000 / BATCH_MS
 LOADS = [None, 50, 90, 100, 150, 200]  # None: 10 req/s
 OUT = ROOT / "docs" / "benchmarks"
@@ -100,7 +100,7 @@ def redis_commands(client: redis.Redis) -> int:
 def calls_since(client: redis.Redis, design: Design, queue: str) -> list[tuple[int, float, int]]:
     """(items sampled, sampler ms, items expired) of each sampler call since the last reset."""
     if design.name == "ours":
-        records = [json.loads(r) for r in client.lrange(f"sampling:{{{queue}}}:batches", 0, -1)]
+        records = [json.loads(r) for r in client.lrange(QueueKeys(queue).batch_log, 0, -1)]
         return [(r["sampled"], r["sampler_ms"], r["expired"]) for r in records if r["sampled"]]
     rows = [raw.split() for raw in client.lrange(calls_key(queue), 0, -1)]
     return [(int(size), float(ms), 0) for size, ms in rows]
@@ -123,7 +123,7 @@ def reset(stack: Stack, client: redis.Redis, design: Design, queue: str, purge: 
         time.sleep(0.25)
         if cpu_seconds(stack.web.pid) - before < 0.02:  # under 8% of a core
             break
-    client.delete(f"sampling:{{{queue}}}:batches", calls_key(queue))
+    client.delete(QueueKeys(queue).batch_log, calls_key(queue))
 
 
 def measure(
@@ -168,9 +168,9 @@ def measure(
         "p95_ms": results.percentile_ms(95),
         "p99_ms": results.percentile_ms(99),
         "max_ms": max(results.latencies_ms, default=float("nan")),
-        "ok_share": results.share(loadgen.OK),
-        "share_504": results.share(loadgen.TIMEOUT),
-        "share_503": results.share(loadgen.OVERLOADED),
+        "ok_share": results.share(RequestOutcome.OK),
+        "share_504": results.share(RequestOutcome.TIMEOUT),
+        "share_503": results.share(RequestOutcome.REJECTED),
         "share_other": results.share(loadgen.OTHER) + results.share(loadgen.WRONG),
         "wrong": results.count(loadgen.WRONG),
         "calls": len(calls),
@@ -229,7 +229,7 @@ def run_design(
     return rows
 
 
-def summary(row: dict[str, object]) -> str:
+def summary(row: dict[str, Any]) -> str:
     batch = row["mean_batch"]
     return (
         f"N={row['gpus']} {row['design']:<14} {row['offered_rps']:>6g} req/s: "

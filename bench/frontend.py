@@ -1,6 +1,6 @@
 """Front-end figures of the batching service, measured on real processes in one run.
 
-    .venv/bin/python bench/frontend.py [--quick]
+    .venv/bin/python -m bench.frontend [--quick]
 
 Starts its own Redis (embedded unless REDIS_URL is set), Celery worker(s) with the simulated
 sampler and gunicorn, then measures and prints a markdown table of:
@@ -25,16 +25,12 @@ import argparse  # noqa: E402
 import http.client  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gevent  # noqa: E402
 from gevent.pool import Pool  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench.procstat import cpu_seconds  # noqa: E402
 from inference_site.lib.embedded_redis import EmbeddedRedis  # noqa: E402
@@ -121,7 +117,7 @@ def main() -> None:
         for i in range(sequential):
             prompt = f"single {i}"
             status, body, seconds = one(service.port, "/sample", prompt.encode())
-            assert status == 200 and body == expected_completion(prompt), (status, body)
+            assert (status, body) == (200, expected_completion(prompt))
             latencies.append(seconds * 1000)
         p50 = statistics.median(latencies)
         rows.append(("single request latency p50 (ms)", f"{p50:.1f}"))

@@ -19,11 +19,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-OK = "ok"  # a 200 whose body is the prompt's expected completion
+from batching.outcomes import RequestOutcome
+
+# A request's outcome as the client sees it: the service's own (batching.outcomes) for the
+# answers it gives (200: ok, 504: timeout, 503: rejected), and two the client adds.
 WRONG = "wrong"  # a 200 with someone else's (or no) completion: must never happen
-TIMEOUT = "504"
-OVERLOADED = "503"
 OTHER = "other"  # any other status, a connection error, or no answer within the client's wait
+STATUS_OUTCOMES = {
+    200: RequestOutcome.OK,
+    504: RequestOutcome.TIMEOUT,
+    503: RequestOutcome.REJECTED,
+}
 
 
 @dataclass
@@ -46,7 +52,7 @@ class Results:
 
     @property
     def goodput_rps(self) -> float:
-        return self.count(OK) / self.duration_s
+        return self.count(RequestOutcome.OK) / self.duration_s
 
     def share(self, outcome: str) -> float:
         return self.count(outcome) / self.sent if self.sent else 0.0
@@ -165,14 +171,9 @@ async def _run(
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
             outcome, answer = OTHER, f"{type(exc).__name__}: {exc}".encode()
         else:
-            if status == 200:
-                outcome = OK if answer.decode("utf-8", "replace") == expected(text) else WRONG
-            elif status == 504:
-                outcome = TIMEOUT
-            elif status == 503:
-                outcome = OVERLOADED
-            else:
-                outcome = OTHER
+            outcome = STATUS_OUTCOMES.get(status, OTHER)
+            if outcome == RequestOutcome.OK and answer.decode("utf-8", "replace") != expected(text):
+                outcome = WRONG
             answer = f"{status} ".encode() + answer
         results.latencies_ms[index] = (loop.time() - intended) * 1000
         results.outcomes[index] = outcome

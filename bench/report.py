@@ -165,7 +165,7 @@ def write_report(
     images = plots(rows, out)
     text = f"""# Benchmark: our batching against the alternatives
 
-Written by `make bench-compare` (`bench/compare.py`) in {elapsed_s / 60:.1f} minutes on
+Written by `make bench-compare` (`python -m bench.compare`) in {elapsed_s / 60:.1f} minutes on
 {machine}. Each level offers Poisson arrivals for {duration_s:g} s; every service (gunicorn
 with 2 gevent processes, N Celery workers with the simulated sampler at 100 ms per call,
 one Redis) and the load generator share the machine's cores. The limit is N x 1,000 req/s

@@ -1,7 +1,7 @@
 """Time one `batched_sample` call of the transformers sampler at batch sizes 1, 10, 50, 100.
 
-    .venv/bin/python bench/sampler.py                      # the packaged SmolLM2 GGUF, CPU/GPU
-    .venv/bin/python bench/sampler.py --model /models/x --max-new-tokens 32 --repeats 5
+    .venv/bin/python -m bench.sampler                      # the packaged SmolLM2 GGUF, CPU/GPU
+    .venv/bin/python -m bench.sampler --model /models/x --max-new-tokens 32 --repeats 5
 
 Prints a markdown table: the median wall time of a call over --repeats calls (after one
 warm-up call per size), completions per second, and the throughput gain over batch size 1.
@@ -14,16 +14,14 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-from workers.samplers.hf import GenerationSettings, HFSampler
+from workers.samplers.base import GenerationSettings
+from workers.samplers.hf import HFSampler
 
 SUBJECTS = ["the moon", "a river", "Paris", "the number seven", "an old clock", "winter"]
 

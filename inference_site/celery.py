@@ -11,5 +11,6 @@ app = Celery("inference_site")
 # All Celery settings live in Django's settings with the CELERY_ prefix.
 app.config_from_object("django.conf:settings", namespace="CELERY")
 
-# Load task modules (workers/tasks.py) from all registered Django apps.
+# Task modules of the installed apps; the batch task (workers/tasks.py) is in CELERY_IMPORTS,
+# which only `celery worker` imports.
 app.autodiscover_tasks()

@@ -51,6 +51,6 @@ def child_exit(server: object, worker: object) -> None:
 
 def post_worker_init(worker: object) -> None:
     """In each web process, after gevent's patching: connect before the first request."""
-    from sampling.connections import warm_up
+    from sampling.runtime import warm_up
 
     warm_up()

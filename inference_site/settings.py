@@ -10,35 +10,50 @@ from __future__ import annotations
 from pathlib import Path
 
 import dj_database_url
+import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
+from batching.policy import BOUNDS, Policy
 from inference_site.lib.env import (
     env_bool,
     env_float,
     env_int,
     env_list,
     env_name,
+    env_secret,
     env_str,
     env_text,
 )
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
+# Django's generic classes (ModelAdmin[SamplingPolicy], QuerySet[...]) subscriptable at run
+# time, as the type checker reads them.
+django_stubs_ext.monkeypatch()
+
 # --- Django -------------------------------------------------------------------------------
 DEBUG = env_bool("DJANGO_DEBUG", False)
-SECRET_KEY = env_str("DJANGO_SECRET_KEY", "insecure-development-key-set-DJANGO_SECRET_KEY")
+# Required: there is no built-in key. `make run` and `make test` write a random one once to
+# the git-ignored .secret_key, read when the variable is unset (DJANGO_SECRET_KEY_FILE names
+# another file); anywhere else, set DJANGO_SECRET_KEY.
+SECRET_KEY = env_secret(
+    "DJANGO_SECRET_KEY", Path(env_str("DJANGO_SECRET_KEY_FILE", str(BASE_DIR / ".secret_key")))
+)
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 
+# The request path (sampling) and the GPU workers (workers) are no Django apps: they have no
+# models, and a web process never imports the workers' runtime.
 INSTALLED_APPS = [
+    # The operators' app (label "sampling", as before the split: same tables and admin URLs).
     # Before django.contrib.admin: its templates/admin/index.html adds the stats page link.
-    "sampling",
+    "operations.apps.OperationsConfig",
+    "planning",  # the capacity planner's management command
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
-    "workers",
 ]
 
 MIDDLEWARE = [
@@ -105,36 +120,55 @@ REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 # The queue names the served model: web processes append to its open batch, its workers
 # consume its Celery queue, and every Redis key of the aggregator is under it.
 SAMPLING_QUEUE = env_name("SAMPLING_QUEUE", "sampling")
-SAMPLING_MAX_BATCH_SIZE = env_int("SAMPLING_MAX_BATCH_SIZE", 100, minimum=1, maximum=100)
-SAMPLING_DEADLINE_MS = env_int("SAMPLING_DEADLINE_MS", 500, minimum=1, maximum=600_000)
-SAMPLING_MAX_PROMPT_BYTES = env_int("SAMPLING_MAX_PROMPT_BYTES", 8192, minimum=1, maximum=1 << 20)
+
+# The policy's defaults and bounds have one home: batching.policy.
+_DEFAULT_POLICY = Policy()
+
+
+def _policy_int(variable: str, field: str) -> int:
+    low, high = BOUNDS[field]
+    return env_int(variable, getattr(_DEFAULT_POLICY, field), minimum=int(low), maximum=int(high))
+
+
+def _policy_float(variable: str, field: str) -> float:
+    low, high = BOUNDS[field]
+    return env_float(variable, getattr(_DEFAULT_POLICY, field), minimum=low, maximum=high)
+
+
+SAMPLING_MAX_BATCH_SIZE = _policy_int("SAMPLING_MAX_BATCH_SIZE", "max_batch_size")
+SAMPLING_DEADLINE_MS = _policy_int("SAMPLING_DEADLINE_MS", "deadline_ms")
+SAMPLING_MAX_PROMPT_BYTES = _policy_int("SAMPLING_MAX_PROMPT_BYTES", "max_prompt_bytes")
 # The worker's sampler: "hf" (a transformers model), "simulated", or "module:factory".
 SAMPLER = env_str("SAMPLER", "hf")
 SIMULATED_BATCH_MS = env_int("SIMULATED_BATCH_MS", 100, minimum=0, maximum=600_000)
 # SAMPLER=hf: empty for the packaged SmolLM2-135M GGUF, else a local save_pretrained
 # directory, a local .gguf file or a Hub id already in the local cache.
 SAMPLING_MODEL = env_str("SAMPLING_MODEL", "")
-SAMPLING_MAX_NEW_TOKENS = env_int("SAMPLING_MAX_NEW_TOKENS", 32, minimum=1, maximum=4096)
-SAMPLING_TEMPERATURE = env_float("SAMPLING_TEMPERATURE", 0.0, minimum=0.0, maximum=100.0)
-SAMPLING_TOP_P = env_float("SAMPLING_TOP_P", 1.0, minimum=0.0, maximum=1.0)
+SAMPLING_MAX_NEW_TOKENS = _policy_int("SAMPLING_MAX_NEW_TOKENS", "max_new_tokens")
+SAMPLING_TEMPERATURE = _policy_float("SAMPLING_TEMPERATURE", "temperature")
+SAMPLING_TOP_P = _policy_float("SAMPLING_TOP_P", "top_p")
 if SAMPLING_TOP_P <= 0:
     raise ImproperlyConfigured(f"SAMPLING_TOP_P must be above 0, got {SAMPLING_TOP_P}")
-SAMPLING_STOP = env_text("SAMPLING_STOP", "")
+SAMPLING_STOP = env_text("SAMPLING_STOP", _DEFAULT_POLICY.stop)
 # The settings above are each queue's policy until an operator saves one in the admin
-# (sampling.models.SamplingPolicy), which reaches every process within a second.
+# (operations.models.SamplingPolicy), which reaches every process within a second.
 # The batch fill the stats page's GPU-count recommendation plans for (the rest is headroom).
-SAMPLING_FILL_TARGET_PERCENT = env_int("SAMPLING_FILL_TARGET_PERCENT", 90, minimum=1, maximum=100)
+SAMPLING_FILL_TARGET_PERCENT = _policy_int("SAMPLING_FILL_TARGET_PERCENT", "fill_target_percent")
 # How long per-minute statistics rows stay in the database.
 SAMPLING_STATS_RETENTION_DAYS = env_int(
     "SAMPLING_STATS_RETENTION_DAYS", 30, minimum=1, maximum=3650
 )
 
 # --- Celery (read by inference_site/celery.py with the CELERY_ namespace) ------------------
-CELERY_BROKER_URL = REDIS_URL
+# The broker is the aggregator's Redis unless set apart.
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL)
 # The stock Redis result backend waits in 1 s steps and holds a pub/sub connection per
 # thread; this subclass routes every wait through one listener per process (see
-# sampling/results.py and ../shared/notes/celery-results.md).
-CELERY_RESULT_BACKEND = f"sampling.results:SharedListenerRedisBackend+{REDIS_URL}"
+# batching/results.py and docs/result-waiting.md).
+CELERY_RESULT_BACKEND = f"batching.results:SharedListenerRedisBackend+{REDIS_URL}"
+# The batch task, imported by `celery worker` only: web processes send it by name
+# (batching.protocol.RUN_BATCH_TASK) and never import the workers' runtime.
+CELERY_IMPORTS = ("workers.tasks",)
 CELERY_RESULT_EXPIRES = 300
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"

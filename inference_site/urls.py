@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import include, path
 
-from sampling.admin import stats_page
+from operations.views import stats_page
 
 urlpatterns = [
     # Before the admin's own URLs, which would take every path under admin/.

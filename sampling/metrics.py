@@ -19,7 +19,9 @@ from prometheus_client.core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from sampling.stats import KNOWN_WORKERS_S, OUTCOMES, known_workers_key
+from batching.keys import QueueKeys
+from batching.outcomes import RequestOutcome
+from batching.stats import KNOWN_WORKERS_S
 
 LATENCY_BUCKETS_S = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75,
@@ -35,20 +37,12 @@ REQUEST_LATENCY = Histogram(
     buckets=LATENCY_BUCKETS_S,
 )
 # One child per outcome, made once: a label lookup per request costs more than the increment.
-REQUESTS_BY_OUTCOME = {outcome: REQUESTS.labels(outcome=outcome) for outcome in OUTCOMES}
+REQUESTS_BY_OUTCOME = {outcome: REQUESTS.labels(outcome=outcome) for outcome in RequestOutcome}
 
 
-def record_request(outcome: str, latency_s: float) -> None:
+def record_request(outcome: RequestOutcome, latency_s: float) -> None:
     REQUESTS_BY_OUTCOME[outcome].inc()
     REQUEST_LATENCY.observe(latency_s)
-
-
-def worker_metrics_key(queue: str, worker: str) -> str:
-    return f"sampling:{{{queue}}}:metrics:{worker}"
-
-
-# Series of a worker that stopped publishing are dropped after this long.
-WORKER_METRICS_TTL_S = 120
 
 
 class WorkerMetricsCollector:
@@ -56,15 +50,15 @@ class WorkerMetricsCollector:
 
     def __init__(self, client: redis.Redis, queue: str) -> None:
         self.client = client
-        self.queue = queue
+        self.keys = QueueKeys(queue)
 
     def texts(self) -> list[str]:
         workers = self.client.zrange(
-            known_workers_key(self.queue), int(time.time() - KNOWN_WORKERS_S), "+inf", byscore=True
+            self.keys.known_workers, int(time.time() - KNOWN_WORKERS_S), "+inf", byscore=True
         )
         if not workers:
             return []
-        texts = self.client.mget([worker_metrics_key(self.queue, w.decode()) for w in workers])
+        texts = self.client.mget([self.keys.worker_metrics(w.decode()) for w in workers])
         return [text.decode() for text in texts if text is not None]
 
     def collect(self) -> list[Metric]:
@@ -91,7 +85,7 @@ def exposition(client: redis.Redis, queue: str) -> bytes:
 
         text = generate_latest(REGISTRY)
     workers = CollectorRegistry(auto_describe=False)
-    workers.register(WorkerMetricsCollector(client, queue))  # type: ignore[arg-type]
+    workers.register(WorkerMetricsCollector(client, queue))
     try:
         text += generate_latest(workers)
     except redis.RedisError as exc:

@@ -1,8 +1,8 @@
 """HTTP views: POST /sample, GET /healthz, GET /readyz, GET /metrics.
 
 The request path never touches the database: one Lua call to join a batch, one Celery
-publish for the request that opened it, and a wait on the batch's result through the
-process's shared result listener.
+publish (by task name) for the request that opened it, and a wait on the batch's result
+through the process's shared result listener.
 """
 
 from __future__ import annotations
@@ -10,23 +10,26 @@ from __future__ import annotations
 import logging
 import math
 import time
-import uuid
 
 import redis
+from celery import states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from batching.outcomes import ItemOutcome, RequestOutcome
+from batching.protocol import RUN_BATCH_TASK
 from inference_site.celery import app as celery_app
-from sampling import metrics, stats
-from sampling.aggregator import EXPIRED, OK, REJECTED
-from sampling.connections import WebProcess, web_process
-from sampling.stats import BAD_REQUEST, ERROR, TIMEOUT
-from sampling.stats import REJECTED as REJECTED_OVERLOAD
-from workers.tasks import run_batch
+from sampling import metrics
+from sampling.runtime import WebProcess, web_process
 
 log = logging.getLogger(__name__)
+
+QUEUE_UNAVAILABLE = "batch queue unavailable"
+# One quick reconnect (a pooled connection gone stale after a broker restart), no more: a
+# broker that refuses twice is not back within a deadline. Celery's default retries for ~1 s.
+PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.05, "interval_max": 0.05}
 
 
 def _text(status: int, body: str, **headers: str) -> HttpResponse:
@@ -53,9 +56,11 @@ def sample(request: HttpRequest) -> HttpResponse:
     return response
 
 
-def _sample(request: HttpRequest, process: WebProcess, arrival: float) -> tuple[str, HttpResponse]:
+def _sample(
+    request: HttpRequest, process: WebProcess, arrival: float
+) -> tuple[RequestOutcome, HttpResponse]:
     if request.method != "POST":
-        return BAD_REQUEST, _reason(
+        return RequestOutcome.BAD_REQUEST, _reason(
             405, "use POST with the prompt as the request body", Allow="POST"
         )
     policy = process.watcher.current  # this process's copy, refreshed in the background
@@ -63,44 +68,38 @@ def _sample(request: HttpRequest, process: WebProcess, arrival: float) -> tuple[
     too_long = f"prompt is over the {max_bytes}-byte limit (max prompt bytes of the policy)"
     declared = request.META.get("CONTENT_LENGTH") or "0"
     if declared.isdigit() and int(declared) > max_bytes:
-        return BAD_REQUEST, _reason(400, too_long)
+        return RequestOutcome.BAD_REQUEST, _reason(400, too_long)
     body = request.body  # the raw body whatever the content type (curl -d says form-encoded)
     if not body:
-        return BAD_REQUEST, _reason(400, "empty prompt: send the prompt as the request body")
+        return RequestOutcome.BAD_REQUEST, _reason(
+            400, "empty prompt: send the prompt as the request body"
+        )
     if len(body) > max_bytes:
-        return BAD_REQUEST, _reason(400, too_long)
+        return RequestOutcome.BAD_REQUEST, _reason(400, too_long)
     try:
         prompt = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return BAD_REQUEST, _reason(400, f"prompt is not valid UTF-8 (byte {exc.start})")
+        return RequestOutcome.BAD_REQUEST, _reason(
+            400, f"prompt is not valid UTF-8 (byte {exc.start})"
+        )
 
     deadline_ms = policy.deadline_ms
     deadline = arrival + deadline_ms / 1000
-    aggregator = process.aggregator
     try:
-        budget_ms = int((deadline - time.monotonic()) * 1000)
-        ticket = aggregator.append(uuid.uuid4().hex, prompt, budget_ms)
+        ticket = process.aggregator.append(prompt, int((deadline - time.monotonic()) * 1000))
     except redis.RedisError as exc:
         log.error("cannot reach Redis to queue a request: %s", exc)
-        return ERROR, _reason(503, "batch queue unavailable", Retry_After="1")
+        return RequestOutcome.ERROR, _reason(503, QUEUE_UNAVAILABLE, Retry_After="1")
+    if ticket.handover:  # a batch whose dispatcher did not confirm its send: send it again
+        _dispatch(process, ticket.handover)
     if ticket.rejected:
-        retry_after = str(max(1, math.ceil(ticket.predicted_ms / 1000)))
-        return REJECTED_OVERLOAD, _reason(
+        return RequestOutcome.REJECTED, _reason(
             503,
             f"overloaded: predicted {ticket.predicted_ms} ms exceeds the {deadline_ms} ms deadline",
-            Retry_After=retry_after,
+            Retry_After=str(max(1, math.ceil(ticket.predicted_ms / 1000))),
         )
-
-    if ticket.opened:
-        try:
-            run_batch.apply_async(
-                (ticket.batch_id, aggregator.queue),
-                task_id=ticket.batch_id,
-                queue=aggregator.queue,
-            )
-        except Exception as exc:  # the broker is the same Redis: it is down or overloaded
-            log.error("cannot dispatch batch %s: %s", ticket.batch_id, exc)
-            return ERROR, _reason(503, "batch queue unavailable", Retry_After="1")
+    if ticket.opened and not _dispatch(process, ticket.batch_id):
+        return RequestOutcome.ERROR, _reason(503, QUEUE_UNAVAILABLE, Retry_After="1")
 
     try:
         results = celery_app.AsyncResult(ticket.batch_id).get(
@@ -108,18 +107,59 @@ def _sample(request: HttpRequest, process: WebProcess, arrival: float) -> tuple[
         )
         outcome, text = results[ticket.index]
     except CeleryTimeoutError:
-        return TIMEOUT, _reason(504, f"no completion within the {deadline_ms} ms deadline")
-    except Exception as exc:
+        return RequestOutcome.TIMEOUT, _reason(
+            504, f"no completion within the {deadline_ms} ms deadline"
+        )
+    except Exception as exc:  # noqa: BLE001 - whatever broke the batch, this request gets a 502
         log.error("batch %s failed: %s", ticket.batch_id, exc)
-        return ERROR, _reason(502, "the sampler failed for this batch")
+        return RequestOutcome.ERROR, _reason(502, "the sampler failed for this batch")
 
-    if outcome == OK:
-        return stats.OK, _text(200, text)
-    if outcome == EXPIRED:
-        return TIMEOUT, _reason(504, f"no completion within the {deadline_ms} ms deadline ({text})")
-    if outcome == REJECTED:
-        return BAD_REQUEST, _reason(400, f"prompt rejected by the model: {text}")
-    return ERROR, _reason(502, text)
+    if outcome == ItemOutcome.OK:
+        return RequestOutcome.OK, _text(200, text)
+    if outcome == ItemOutcome.EXPIRED:
+        return RequestOutcome.TIMEOUT, _reason(
+            504, f"no completion within the {deadline_ms} ms deadline ({text})"
+        )
+    if outcome == ItemOutcome.PROMPT_REJECTED:
+        return RequestOutcome.BAD_REQUEST, _reason(400, f"prompt rejected by the model: {text}")
+    if outcome == ItemOutcome.NOT_DISPATCHED:
+        return RequestOutcome.ERROR, _reason(503, QUEUE_UNAVAILABLE, Retry_After="1")
+    return RequestOutcome.ERROR, _reason(502, text)
+
+
+def _dispatch(process: WebProcess, batch_id: str) -> bool:
+    """Send the batch's task (task id = batch id, by name: no import of the worker's code).
+    When it cannot be sent, close the batch so that no later request joins it, and answer
+    the members that joined already at once rather than at their deadline."""
+    aggregator = process.aggregator
+    try:
+        celery_app.send_task(
+            RUN_BATCH_TASK,
+            args=(batch_id, aggregator.queue),
+            task_id=batch_id,
+            queue=aggregator.queue,
+            retry_policy=PUBLISH_RETRY,
+        )
+    except Exception as exc:  # noqa: BLE001 - kombu raises OperationalError, OSError and more
+        log.error("cannot dispatch batch %s: %s", batch_id, exc)
+        _abandon(process, batch_id)
+        return False
+    try:
+        aggregator.dispatched(batch_id)
+    except redis.RedisError as exc:
+        # Harmless: a later request sends the task again, and the duplicate answers nothing.
+        log.warning("batch %s dispatched but not confirmed: %s", batch_id, exc)
+    return True
+
+
+def _abandon(process: WebProcess, batch_id: str) -> None:
+    try:
+        members = process.aggregator.abandon(batch_id)
+        answers = [[ItemOutcome.NOT_DISPATCHED, QUEUE_UNAVAILABLE] for _ in range(members)]
+        # Stored and published as the task would have: every member's wait wakes now.
+        celery_app.backend.store_result(batch_id, answers, states.SUCCESS)
+    except Exception as exc:  # noqa: BLE001 - Redis down too: the members time out instead
+        log.error("batch %s abandoned, its members not answered: %s", batch_id, exc)
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:

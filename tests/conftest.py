@@ -3,7 +3,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 from inference_site.lib.embedded_redis import EmbeddedRedis
-from inference_site.lib.stack import Stack
+from inference_site.lib.stack import ROOT, Stack
+from tests.support import ADMIN_PASSWORD, ADMIN_USER, unique_queue
 
 if TYPE_CHECKING:
     from workers.samplers.hf import HFSampler
@@ -47,7 +47,8 @@ def smollm2() -> HFSampler:
     SAMPLER=hf worker loads it: loaded once for the session (~25 s on 2 CPUs)."""
     import gc
 
-    from workers.samplers.hf import GenerationSettings, HFSampler
+    from workers.samplers.base import GenerationSettings
+    from workers.samplers.hf import HFSampler
 
     sampler = HFSampler("", GenerationSettings(max_new_tokens=8))
     # As the worker does (workers/lifecycle.py): without this, every full collection in this
@@ -57,21 +58,13 @@ def smollm2() -> HFSampler:
     return sampler
 
 
-def unique_queue(label: str) -> str:
-    return f"t-{label}-{uuid.uuid4().hex[:8]}"
-
-
-ADMIN_USER = "operator"
-ADMIN_PASSWORD = "correct horse battery staple"
-
-
 @pytest.fixture(scope="session")
 def database_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A migrated SQLite database with an admin account, shared by the stacks' processes,
     made the way the README tells an operator to (manage.py migrate, createsuperuser)."""
     url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'db.sqlite3'}"
     env = {**os.environ, "DATABASE_URL": url, "DJANGO_SUPERUSER_PASSWORD": ADMIN_PASSWORD}
-    manage = [sys.executable, str(Path(__file__).resolve().parents[1] / "manage.py")]
+    manage = [sys.executable, str(ROOT / "manage.py")]
     subprocess.run([*manage, "migrate", "--noinput", "-v0"], env=env, check=True)
     subprocess.run(
         [*manage, "createsuperuser", "--noinput", "--username", ADMIN_USER,
@@ -91,7 +84,7 @@ def start_stack(
 
     def start(
         label: str, env: dict[str, str] | None = None, gpus: list[int | None] | None = None,
-        web_processes: int = 1, timeout_s: float = 60,
+        web_processes: int = 1, timeout_s: float = 60, web_config: Path | None = None,
     ) -> Stack:  # fmt: skip
         log_dir = Path(tmp_path_factory.mktemp(label))
         stack = Stack(
@@ -105,6 +98,8 @@ def start_stack(
             web_processes=web_processes,
             log_dir=log_dir,
         )
+        if web_config is not None:
+            stack.web_config = web_config
         started.append(stack)
         try:
             stack.start(timeout_s=timeout_s)

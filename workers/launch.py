@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     queue = env_name("SAMPLING_QUEUE", "sampling")
     command = worker_command(None if args.cpu else args.gpu, queue, args.celery_args)
-    os.execvpe(command[0], command, worker_environment(None if args.cpu else args.gpu))
+    # The worker replaces this process: no shell, arguments built above.
+    os.execvpe(command[0], command, worker_environment(None if args.cpu else args.gpu))  # noqa: S606
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
 """A GPU worker's life: load the sampler once at start, heartbeat while alive, leave on stop.
 
-Connected to Celery's worker signals by WorkersConfig.ready(); they fire only in a
-`celery worker` process, never in a web process.
+Connected to Celery's worker signals when `celery worker` imports workers.tasks
+(CELERY_IMPORTS); a web process never imports this module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
@@ -19,9 +18,9 @@ import redis
 from celery import signals
 from django.conf import settings
 
-from sampling import stats
-from sampling.aggregator import BatchAggregator
-from sampling.policy import PolicyWatcher
+from batching import stats
+from batching.aggregator import HEARTBEAT_TIMEOUT_MS, BatchAggregator
+from batching.policy import PolicyWatcher, policy_from_settings
 from workers.runner import BatchRunner
 from workers.samplers import load_sampler
 
@@ -58,10 +57,10 @@ def _aggregator() -> BatchAggregator:
 
 
 def _watcher(aggregator: BatchAggregator) -> PolicyWatcher:
-    from sampling.models import default_policy
-
     # Started before the model loads, so the warm-up already runs with the published policy.
-    return PolicyWatcher(aggregator.client, aggregator.queue, default_policy()).start()
+    return PolicyWatcher(
+        aggregator.client, aggregator.queue, policy_from_settings(settings)
+    ).start()
 
 
 @signals.worker_process_init.connect
@@ -107,7 +106,7 @@ def _heartbeat_loop(runner: BatchRunner) -> None:
     """Once a second: liveness (for admission and /readyz), the worker's row of the stats
     page, its alive-seconds (for busy %), and its Prometheus metrics: two round trips."""
     aggregator = runner.aggregator
-    info_key = aggregator.worker_info_prefix + runner.worker
+    info_key = aggregator.keys.worker_info(runner.worker)
     while not _stop.is_set():
         busy_since = runner.busy_since
         stuck = busy_since is not None and time.monotonic() - busy_since > STUCK_CALL_S
@@ -149,11 +148,24 @@ def _heartbeat_loop(runner: BatchRunner) -> None:
 def stop_heartbeat(sender: object = None, **kwargs: object) -> None:
     _stop.set()
     if _runner is not None:
-        aggregator = _runner.aggregator
-        with contextlib.suppress(redis.RedisError, ValueError):
-            aggregator.forget_worker(_runner.worker)
-            info_key = aggregator.worker_info_prefix + _runner.worker
-            raw = aggregator.client.get(info_key)
-            if raw:  # the stats page shows it as stopped rather than as silent
-                info = {**json.loads(raw), "state": "stopped", "heartbeat_at": time.time()}
-                aggregator.client.set(info_key, json.dumps(info), px=WORKER_INFO_TTL_MS)
+        say_goodbye(_runner)
+
+
+def say_goodbye(runner: BatchRunner) -> None:
+    """Stop counting as a live worker at once (not 5 s later), and show as stopped, not as
+    silent, on the stats page. Best effort: the process is leaving."""
+    aggregator = runner.aggregator
+    info_key = aggregator.keys.worker_info(runner.worker)
+    try:
+        aggregator.forget_worker(runner.worker)
+        raw = aggregator.client.get(info_key)
+        if raw:
+            info = {**json.loads(raw), "state": "stopped", "heartbeat_at": time.time()}
+            aggregator.client.set(info_key, json.dumps(info), px=WORKER_INFO_TTL_MS)
+    except (redis.RedisError, ValueError) as exc:
+        log.warning(
+            "worker %s leaves without saying so in Redis (counted for up to %d ms more): %s",
+            runner.worker,
+            HEARTBEAT_TIMEOUT_MS,
+            exc,
+        )

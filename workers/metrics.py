@@ -15,8 +15,11 @@ from prometheus_client import (
     generate_latest,
 )
 
-from sampling.metrics import WORKER_METRICS_TTL_S, worker_metrics_key
-from sampling.stats import KNOWN_WORKERS_S, known_workers_key
+from batching.keys import QueueKeys
+from batching.stats import KNOWN_WORKERS_S
+
+# Series of a worker that stopped publishing are dropped after this long.
+WORKER_METRICS_TTL_S = 120
 
 BATCH_SIZE_BUCKETS = (1, 2, 5, 10, 20, 30, 40, 50, 60, 70, 80, 90, 95, 100)
 SECONDS_BUCKETS = (
@@ -33,36 +36,42 @@ class WorkerMetrics:
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["worker"]
-        options = {"labelnames": labels, "registry": self.registry}
         self.batch_size = Histogram(
             "sampling_batch_size",
             "Prompts per batch when the worker sealed it (expired ones included)",
             buckets=BATCH_SIZE_BUCKETS,
-            **options,
+            labelnames=labels,
+            registry=self.registry,
         ).labels(worker)
         self.queue_wait = Histogram(
             "sampling_batch_queue_wait_seconds",
             "Time from a batch's opening (its first request) to its sealing by a free worker",
             buckets=SECONDS_BUCKETS,
-            **options,
+            labelnames=labels,
+            registry=self.registry,
         ).labels(worker)
         self.sampler = Histogram(
             "sampling_sampler_seconds",
             "Duration of one batched_sample call",
             buckets=SECONDS_BUCKETS,
-            **options,
+            labelnames=labels,
+            registry=self.registry,
         ).labels(worker)
         self.expired = Counter(
             "sampling_expired_items",
             "Items dropped before sampling because their deadline could not be met",
-            **options,
+            labelnames=labels,
+            registry=self.registry,
         ).labels(worker)
         self.busy = Counter(
             "sampling_worker_busy_seconds",
             "Time spent in batched_sample calls (busy % = rate of this)",
-            **options,
+            labelnames=labels,
+            registry=self.registry,
         ).labels(worker)
-        self.batches = Counter("sampling_batches", "Batches run", **options).labels(worker)
+        self.batches = Counter(
+            "sampling_batches", "Batches run", labelnames=labels, registry=self.registry
+        ).labels(worker)
 
     def observe_batch(
         self, *, size: int, expired: int, queue_wait_ms: int | None, sampler_ms: float
@@ -78,11 +87,12 @@ class WorkerMetrics:
 
     def publish(self, pipe: redis.client.Pipeline, queue: str, now_s: float) -> None:
         """Queue this worker's exposition and its index entry on `pipe`."""
+        keys = QueueKeys(queue)
         pipe.set(
-            worker_metrics_key(queue, self.worker),
+            keys.worker_metrics(self.worker),
             generate_latest(self.registry),
             ex=WORKER_METRICS_TTL_S,
         )
-        index = known_workers_key(queue)
+        index = keys.known_workers
         pipe.zadd(index, {self.worker: now_s})
         pipe.zremrangebyscore(index, "-inf", now_s - KNOWN_WORKERS_S)

@@ -10,19 +10,23 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
 
-from sampling import stats
-from sampling.aggregator import ERROR, EXPIRED, OK, REJECTED, BatchAggregator, Item, SealedBatch
-from sampling.policy import Policy
+from batching import stats
+from batching.aggregator import BatchAggregator, Item, SealedBatch
+from batching.outcomes import ItemOutcome
+from batching.policy import Policy
 from workers.metrics import WorkerMetrics
-from workers.samplers.base import GenerationSettings, PromptRejected, Sampler
+from workers.samplers.base import PromptRejected, Sampler
 
 log = logging.getLogger(__name__)
 
 # Weight of the newest call in the running estimate of a sampling call's duration.
 ESTIMATE_WEIGHT = 0.3
+
+# One item's answer: [ItemOutcome, text], the completion for OK, a one-line reason otherwise.
+Result = list[str]
 
 
 class BatchRunner:
@@ -43,7 +47,10 @@ class BatchRunner:
             lambda: Policy(
                 max_batch_size=aggregator.max_batch_size,
                 deadline_ms=aggregator.deadline_ms,
-                **asdict(sampler.generation),
+                max_new_tokens=sampler.generation.max_new_tokens,
+                temperature=sampler.generation.temperature,
+                top_p=sampler.generation.top_p,
+                stop=sampler.generation.stop,
             )
         )
         self.metrics = metrics or WorkerMetrics(worker)
@@ -59,22 +66,16 @@ class BatchRunner:
     def warm_up(self) -> None:
         self.apply_policy()
         self.estimate_ms = self.turn_ms = self.sampler.warm_up()
-        self.aggregator.publish_sampler_ms(self.turn_ms)
+        self.aggregator.publish_turn_ms(self.turn_ms)
         log.info("sampler %s warmed up: %.1f ms per call", self.sampler.name, self.estimate_ms)
 
     def apply_policy(self) -> Policy:
         """Bring the sampler and aggregator to the live policy; called between calls only."""
         policy = self.policy()
         if policy.version != self.applied_version:
-            generation = GenerationSettings(
-                max_new_tokens=policy.max_new_tokens,
-                temperature=policy.temperature,
-                top_p=policy.top_p,
-                stop=policy.stop,
-            )
-            if generation != self.sampler.generation:
+            if policy.generation != self.sampler.generation:
                 try:
-                    self.sampler.configure(generation)
+                    self.sampler.configure(policy.generation)
                 except ValueError as exc:
                     log.error("policy %d not applied to the sampler: %s", policy.version, exc)
             self.aggregator.configure(
@@ -83,19 +84,24 @@ class BatchRunner:
             self.applied_version = policy.version
         return policy
 
-    def run(self, batch_id: str) -> list[list[str]]:
+    def run(self, batch_id: str) -> list[Result] | None:
+        """One [outcome, text] per item of the batch, in order; None when the batch was
+        sealed before (a duplicate task): there is nobody to answer."""
         started = time.perf_counter()
         policy = self.apply_policy()
         sealed = self.aggregator.seal(batch_id)
+        if sealed.sealed_before:
+            log.info("batch %s was sealed by an earlier task: nothing to run", batch_id)
+            return None
         items = sealed.items
-        results: list[list[str]] = [[]] * len(items)
         # One more call must end before the item's deadline, or the item is dropped now and
         # the sampler never sees it.
         cutoff = sealed.now_ms + self.estimate_ms
+        results: dict[int, Result] = {}
         live: list[int] = []
         for index, item in enumerate(items):
             if item.deadline_ms < cutoff:
-                results[index] = [EXPIRED, "deadline could not be met"]
+                results[index] = [ItemOutcome.EXPIRED, "deadline could not be met"]
             else:
                 live.append(index)
 
@@ -108,19 +114,20 @@ class BatchRunner:
         ]
         for chunk in chunks:
             sampler_ms += self._sample(batch_id, items, chunk, results)
+        answers = [results[index] for index in range(len(items))]
 
         # Written only by the task thread; the heartbeat thread just reads them.
         self.batches += 1
         self.busy_s += sampler_ms / 1000
-        self._record(batch_id, sealed, results, sampler_ms, len(chunks), policy)
+        self._record(batch_id, sealed, answers, sampler_ms, len(chunks), policy)
         if chunks:  # a batch dropped whole took no GPU time: not a turn to learn from
             turn_ms = (time.perf_counter() - started) * 1000
             self.turn_ms += ESTIMATE_WEIGHT * (turn_ms - self.turn_ms)
-            self.aggregator.publish_sampler_ms(self.turn_ms)
-        return results
+            self.aggregator.publish_turn_ms(self.turn_ms)
+        return answers
 
     def _sample(
-        self, batch_id: str, items: list[Item], indexes: list[int], results: list[list[str]]
+        self, batch_id: str, items: list[Item], indexes: list[int], results: dict[int, Result]
     ) -> float:
         """One batched_sample call for items[indexes]; fills their results; returns its ms."""
         prompts = [items[i].prompt for i in indexes]
@@ -134,14 +141,15 @@ class BatchRunner:
                 )
             for index, completion in zip(indexes, completions, strict=True):
                 if isinstance(completion, PromptRejected):
-                    results[index] = [REJECTED, str(completion) or "prompt rejected"]
+                    reason = str(completion) or "prompt rejected"
+                    results[index] = [ItemOutcome.PROMPT_REJECTED, reason]
                 else:
-                    results[index] = [OK, str(completion)]
+                    results[index] = [ItemOutcome.OK, str(completion)]
         except Exception as exc:
             log.exception("sampler %s failed on batch %s", self.sampler.name, batch_id)
             reason = f"sampler failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
             for index in indexes:
-                results[index] = [ERROR, reason]
+                results[index] = [ItemOutcome.ERROR, reason]
         finally:
             self.busy_since = None
         sampler_ms = (time.perf_counter() - started) * 1000
@@ -152,21 +160,20 @@ class BatchRunner:
         self,
         batch_id: str,
         sealed: SealedBatch,
-        results: list[list[str]],
+        results: list[Result],
         sampler_ms: float,
         calls: int,
         policy: Policy,
     ) -> None:
-        counts = {OK: 0, EXPIRED: 0, REJECTED: 0, ERROR: 0}
-        for outcome, _ in results:
-            counts[outcome] += 1
+        counts = Counter(ItemOutcome(outcome) for outcome, _ in results)
+        expired = counts[ItemOutcome.EXPIRED]
         queue_wait_ms = sealed.now_ms - sealed.opened_at_ms if sealed.opened_at_ms >= 0 else None
         record = {
             "batch_id": batch_id,
             "worker": self.worker,
             "size": len(results),
-            "sampled": len(results) - counts[EXPIRED],
-            **counts,
+            "sampled": len(results) - expired,
+            **{str(outcome): counts[outcome] for outcome in ItemOutcome},
             "queue_wait_ms": queue_wait_ms,
             "sampler_ms": round(sampler_ms, 2),
             "sealed_at_ms": sealed.now_ms,
@@ -174,10 +181,7 @@ class BatchRunner:
             "max_batch_size": policy.max_batch_size,
         }
         self.metrics.observe_batch(
-            size=len(results),
-            expired=counts[EXPIRED],
-            queue_wait_ms=queue_wait_ms,
-            sampler_ms=sampler_ms,
+            size=len(results), expired=expired, queue_wait_ms=queue_wait_ms, sampler_ms=sampler_ms
         )
         try:
             self.aggregator.record_batch(
@@ -185,7 +189,7 @@ class BatchRunner:
                 stats.batch_counts(
                     worker=self.worker,
                     size=len(results),
-                    expired=counts[EXPIRED],
+                    expired=expired,
                     queue_wait_ms=queue_wait_ms,
                     sampler_ms=sampler_ms,
                     calls=calls,
@@ -193,5 +197,5 @@ class BatchRunner:
                 ),
                 time.time(),
             )
-        except Exception:  # a lost record must never lose the batch's answers
+        except Exception:
             log.exception("could not record batch %s", batch_id)

@@ -11,6 +11,7 @@ from celery_batches import Batches
 from django.conf import settings
 
 from bench.baselines import calls_key
+from bench.baselines import settings as bench_settings
 from workers.samplers.simulated import SimulatedSampler
 
 
@@ -48,8 +49,8 @@ def sample_prompts(prompts: list[str]) -> list[str]:
 @shared_task(
     name="baseline.sample_batched",
     base=Batches,
-    flush_every=settings.BENCH_FLUSH_EVERY,
-    flush_interval=settings.BENCH_FLUSH_INTERVAL_MS / 1000,
+    flush_every=bench_settings.BENCH_FLUSH_EVERY,
+    flush_interval=bench_settings.BENCH_FLUSH_INTERVAL_MS / 1000,
 )
 def sample_batched(requests: list) -> None:
     """celery-batches: the worker buffers messages and calls this with up to flush_every of

@@ -13,6 +13,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from bench.baselines import settings as bench_settings
 from bench.baselines import tasks
 from inference_site.celery import app as celery_app
 
@@ -129,8 +130,8 @@ def timer(request: HttpRequest) -> HttpResponse:
         return prompt
     if _batcher is None:
         _batcher = TimerBatcher(
-            settings.BENCH_TIMER_MS / 1000,
-            settings.BENCH_FLUSH_EVERY,
+            bench_settings.BENCH_TIMER_MS / 1000,
+            bench_settings.BENCH_FLUSH_EVERY,
             settings.SAMPLING_DEADLINE_MS / 1000,
         )
     waiter = _batcher.submit(prompt)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TypeVar
 
 # Only the exception class: these helpers never touch Django's settings, so the launcher and
@@ -24,6 +25,7 @@ __all__ = [
     "env_int",
     "env_list",
     "env_name",
+    "env_secret",
     "env_str",
     "env_text",
 ]
@@ -141,5 +143,28 @@ def env_name(name: str, default: str, environ: Mapping[str, str] | None = None) 
     if not value or len(value) > 64 or not set(value) <= allowed:
         raise ImproperlyConfigured(
             f"{name} must be 1-64 characters of letters, digits, '-', '_' or '.', got {value!r}"
+        )
+    return value
+
+
+def env_secret(name: str, fallback_file: Path, environ: Mapping[str, str] | None = None) -> str:
+    """A secret with no default: the variable, else the first line of `fallback_file` (a file
+    a developer's `make` writes once, git-ignored); else the process refuses to start."""
+    value = env_str(name, "", environ).strip()
+    if value:
+        return value
+    try:
+        value = fallback_file.read_text().strip()
+    except FileNotFoundError:
+        value = ""
+    except OSError as exc:
+        raise ImproperlyConfigured(
+            f"{name} is not set and {fallback_file} cannot be read: {exc}"
+        ) from exc
+    if not value:
+        raise ImproperlyConfigured(
+            f"{name} is not set: give it a long random value (for instance the output of "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(50))'`); "
+            f"`make run` writes one to {fallback_file} for development"
         )
     return value

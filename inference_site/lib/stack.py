@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _http_status(url: str, timeout: float = 2.0) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - our http://
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -41,6 +41,7 @@ class Stack:
     gpus: list[int | None] = field(default_factory=lambda: [None])  # None: a CPU worker
     web_processes: int = 2
     worker_args: list[str] = field(default_factory=list)  # extra `celery worker` arguments
+    web_config: Path = ROOT / "inference_site" / "gunicorn.conf.py"
     port: int = 0
     log_dir: Path | None = None  # None: the processes write to this terminal
     redis: EmbeddedRedis | None = None
@@ -96,9 +97,8 @@ class Stack:
         env["PORT"] = str(self.port)
         env["WEB_CONCURRENCY"] = str(self.web_processes)
         output = self._output("web")
-        config = str(ROOT / "inference_site" / "gunicorn.conf.py")
         self.web = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", config],
+            [sys.executable, "-m", "gunicorn", "-c", str(self.web_config)],
             cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
             start_new_session=True,
         )  # fmt: skip

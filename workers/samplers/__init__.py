@@ -8,7 +8,7 @@ from collections.abc import Callable
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from workers.samplers.base import MAX_BATCH, PromptRejected, Sampler
+from workers.samplers.base import MAX_BATCH, GenerationSettings, PromptRejected, Sampler
 
 
 def _simulated() -> Sampler:
@@ -18,7 +18,7 @@ def _simulated() -> Sampler:
 
 
 def _hf() -> Sampler:
-    from workers.samplers.hf import GenerationSettings, HFSampler
+    from workers.samplers.hf import HFSampler
 
     return HFSampler(
         settings.SAMPLING_MODEL,
@@ -54,4 +54,11 @@ def load_sampler(name: str | None = None) -> Sampler:
     return sampler
 
 
-__all__ = ["BUILT_IN", "MAX_BATCH", "PromptRejected", "Sampler", "load_sampler"]
+__all__ = [
+    "BUILT_IN",
+    "MAX_BATCH",
+    "GenerationSettings",
+    "PromptRejected",
+    "Sampler",
+    "load_sampler",
+]

@@ -8,27 +8,13 @@ from __future__ import annotations
 
 import abc
 import time
-from dataclasses import dataclass
 
-MAX_BATCH = 100
+from batching.policy import MAX_BATCH_SIZE, GenerationSettings
 
+# The contract's bound, named for samplers (one home: batching.policy).
+MAX_BATCH = MAX_BATCH_SIZE
 
-@dataclass(frozen=True)
-class GenerationSettings:
-    """How a model continues a prompt: the generation part of the sampling policy."""
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0: greedy, deterministic
-    top_p: float = 1.0
-    stop: str = ""  # cut the completion before the first occurrence; "" for none
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be 0 (greedy) or more, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+__all__ = ["MAX_BATCH", "GenerationSettings", "PromptRejected", "Sampler"]
 
 
 class PromptRejected(Exception):

@@ -223,7 +223,7 @@ class HFSampler(Sampler):
         return FALLBACK_CONTEXT_TOKENS
 
     def sample(self, prompts: list[str]) -> list[str | PromptRejected]:
-        results: list[str | PromptRejected] = [PromptRejected("not sampled")] * len(prompts)
+        results: list[str | PromptRejected] = [PromptRejected("not sampled") for _ in prompts]
         token_ids: list[list[int]] = self.tokenizer(prompts)["input_ids"]
         accepted: list[int] = []
         for index, ids in enumerate(token_ids):

@@ -1,0 +1,89 @@
+"""Every Redis key of a queue, built in one place.
+
+All keys of a queue share the hash tag `{queue}`, so a queue's scripts stay on one slot of a
+Redis cluster. Nothing else in the project spells a `sampling:{queue}:...` key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    queue: str
+
+    @property
+    def tag(self) -> str:
+        return f"sampling:{{{self.queue}}}"
+
+    # --- the aggregator (batching.aggregator) --------------------------------------------
+    @property
+    def open_batch(self) -> str:
+        """The id of the batch new requests join (absent: the next request opens one)."""
+        return f"{self.tag}:open"
+
+    @property
+    def unsealed(self) -> str:
+        """A zset of batches not sealed yet, scored by their opening time (ms)."""
+        return f"{self.tag}:unsealed"
+
+    @property
+    def undispatched(self) -> str:
+        """A zset of opened batches whose Celery task is not known to be sent yet, scored by
+        the time (ms) their dispatch started: a later request hands over those left too long."""
+        return f"{self.tag}:undispatched"
+
+    @property
+    def batch_prefix(self) -> str:
+        return f"{self.tag}:batch:"
+
+    def batch(self, batch_id: str) -> str:
+        """The list of a batch's items, one "deadline_ms prompt" string each."""
+        return self.batch_prefix + batch_id
+
+    @property
+    def live_workers(self) -> str:
+        """A zset of worker names scored by their last heartbeat (Redis time, ms)."""
+        return f"{self.tag}:workers"
+
+    @property
+    def turn_ms(self) -> str:
+        """The workers' running estimate of one batch's turn on a GPU, for admission."""
+        return f"{self.tag}:sampler_ms"
+
+    @property
+    def batch_log(self) -> str:
+        """The last batch records (JSON), newest first."""
+        return f"{self.tag}:batches"
+
+    # --- workers, as the operators see them -----------------------------------------------
+    def worker_info(self, worker: str) -> str:
+        """A worker's row of the stats page (JSON), written with its heartbeat."""
+        return f"{self.tag}:worker:{worker}"
+
+    @property
+    def known_workers(self) -> str:
+        """A zset of worker names scored by their last heartbeat (epoch seconds)."""
+        return f"{self.tag}:known-workers"
+
+    def worker_metrics(self, worker: str) -> str:
+        """A worker's Prometheus exposition, published with its heartbeat."""
+        return f"{self.tag}:metrics:{worker}"
+
+    # --- policy and statistics -------------------------------------------------------------
+    @property
+    def policy(self) -> str:
+        return f"{self.tag}:policy"
+
+    def stats_bucket(self, granularity_s: int, start_s: int) -> str:
+        return f"{self.tag}:stats:{granularity_s}:{start_s}"
+
+    @property
+    def persisted_minute(self) -> str:
+        """The last minute of statistics written to the database."""
+        return f"{self.tag}:stats:persisted-minute"
+
+    @property
+    def housekeeping_lock(self) -> str:
+        return f"{self.tag}:housekeeping"

@@ -1,0 +1,28 @@
+"""One vocabulary of outcomes, for the views, statistics, metrics, simulation and benchmarks.
+
+Two levels, two enums, no shared word:
+- ItemOutcome: what the worker did with one item of a batch. A batch's result is a list
+  aligned with its items, each entry [ItemOutcome, text].
+- RequestOutcome: what a request to /sample got. Its values are the `outcome` label of
+  `sampling_requests_total` and the `req:<outcome>` statistics counters: they are stable.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ItemOutcome(StrEnum):
+    OK = "ok"  # the completion is the text
+    EXPIRED = "expired"  # dropped before sampling: one more call could not meet its deadline
+    PROMPT_REJECTED = "prompt_rejected"  # the sampler refused this prompt alone (too long...)
+    ERROR = "error"  # the sampler failed for the whole batch
+    NOT_DISPATCHED = "not_dispatched"  # the batch's task could not be sent (broker down)
+
+
+class RequestOutcome(StrEnum):
+    OK = "ok"  # 200: a completion
+    TIMEOUT = "timeout"  # 504: no completion within the deadline
+    REJECTED = "rejected"  # 503 + Retry-After: turned away by admission control (overloaded)
+    BAD_REQUEST = "bad_request"  # 4xx: the request or its prompt was refused
+    ERROR = "error"  # 502 (the sampler failed) or 503 (Redis or the broker unreachable)

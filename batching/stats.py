@@ -1,0 +1,222 @@
+"""Service statistics in Redis: counters in time buckets, written in bulk, read for the stats page.
+
+Every figure is a counter in a Redis hash per time bucket, at two granularities: per second
+(kept 15 minutes: the "now" figures) and per 10 seconds (kept 2 hours: the charts of the last
+hour and the per-minute rows persisted to the database). Counters add up across processes and
+machines with HINCRBY, so no process needs to know of the others.
+
+- Web processes count each request (outcome, latency histogram) in memory and flush once a
+  second in one pipeline: the request path never waits on Redis for statistics.
+- Workers write one pipeline per batch (size, expired, queue wait, sampling time, per-worker
+  busy time) and one per heartbeat (worker-seconds alive, for the busy %).
+
+Latencies go into fixed buckets 10% wide, so percentiles of any window are computed from the
+summed histogram, accurate to a few percent.
+
+This module knows nothing of Django: it takes a redis client and numbers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import redis
+
+from batching.keys import QueueKeys
+from batching.outcomes import RequestOutcome
+
+# Upper bounds (ms) of the latency buckets: 1 ms to ~2 min in 10% steps; one more for above.
+LATENCY_BOUNDS_MS: tuple[float, ...] = tuple(round(1.1**k, 3) for k in range(123))
+
+SECOND = 1
+TEN_SECONDS = 10
+TTL_S = {SECOND: 15 * 60, TEN_SECONDS: 2 * 3600 + 600}
+
+
+# Workers seen in this long stay on the stats page (as stopped or silent) and in /metrics.
+KNOWN_WORKERS_S = 10 * 60
+
+
+def latency_bucket(latency_ms: float) -> int:
+    return bisect.bisect_left(LATENCY_BOUNDS_MS, latency_ms)
+
+
+def add_counts(
+    pipe: redis.client.Pipeline, queue: str, at_s: float, counts: Mapping[str, int]
+) -> None:
+    """Queue HINCRBYs of `counts` into the buckets holding time `at_s`, both granularities."""
+    second = int(at_s)
+    keys = QueueKeys(queue)
+    for granularity in (SECOND, TEN_SECONDS):
+        key = keys.stats_bucket(granularity, second - second % granularity)
+        for field, value in counts.items():
+            if value:
+                pipe.hincrby(key, field, value)
+        pipe.expire(key, TTL_S[granularity])
+
+
+class RequestStats:
+    """A web process's request counters, per second in memory until the next flush."""
+
+    def __init__(self, queue: str) -> None:
+        self.queue = queue
+        self._lock = threading.Lock()
+        self._pending: defaultdict[int, Counter[str]] = defaultdict(Counter)
+
+    def record(self, outcome: RequestOutcome, latency_s: float, now: float | None = None) -> None:
+        """The request path's only statistics work: a few dictionary increments."""
+        latency_ms = latency_s * 1000
+        second = int(time.time() if now is None else now)
+        with self._lock:
+            counts = self._pending[second]
+            counts["req:" + outcome] += 1
+            counts[f"lat:{latency_bucket(latency_ms)}"] += 1
+            counts["lat_us"] += int(latency_ms * 1000)
+
+    def flush(self, client: redis.Redis) -> int:
+        """Write every pending second in one pipeline; returns the number of requests written.
+        On a Redis error the counts are put back, to go with the next flush."""
+        with self._lock:
+            pending, self._pending = self._pending, defaultdict(Counter)
+        if not pending:
+            return 0
+        try:
+            with client.pipeline(transaction=False) as pipe:
+                for second, counts in pending.items():
+                    add_counts(pipe, self.queue, second, counts)
+                pipe.execute()
+        except redis.RedisError:
+            with self._lock:
+                for second, counts in pending.items():
+                    self._pending[second].update(counts)
+            raise
+        return sum(v for c in pending.values() for k, v in c.items() if k.startswith("req:"))
+
+
+def batch_counts(
+    *,
+    worker: str,
+    size: int,
+    expired: int,
+    queue_wait_ms: int | None,
+    sampler_ms: float,
+    calls: int,
+    max_batch_size: int,
+) -> dict[str, int]:
+    counts = {
+        "batches": 1,
+        "calls": calls,  # batched_sample calls: 0 when every item had expired
+        "items": size,
+        "sampled": size - expired,
+        "expired": expired,
+        "capacity": max_batch_size,  # fill % = items / capacity, whatever the policy was
+        "busy_us": round(sampler_ms * 1000),  # time in sampling calls
+        f"w:{worker}:batches": 1,
+        f"w:{worker}:busy_us": round(sampler_ms * 1000),
+    }
+    if queue_wait_ms is not None:
+        counts["waits"] = 1
+        counts["wait_ms"] = max(0, queue_wait_ms)
+    return counts
+
+
+def alive_counts(worker: str, seconds: int = 1) -> dict[str, int]:
+    """A heartbeat's worker-seconds: busy % = busy time / time alive, per worker and in all."""
+    return {"alive": seconds, f"w:{worker}:alive": seconds}
+
+
+def read_buckets(
+    client: redis.Redis, queue: str, granularity: int, start_s: int, end_s: int
+) -> list[tuple[int, Counter[str]]]:
+    """(bucket start, counts) for every bucket in [start_s, end_s), empty ones included."""
+    first = start_s - start_s % granularity
+    starts = list(range(first, end_s, granularity))
+    keys = QueueKeys(queue)
+    with client.pipeline(transaction=False) as pipe:
+        for start in starts:
+            pipe.hgetall(keys.stats_bucket(granularity, start))
+        raw = pipe.execute()
+    return [
+        (start, Counter({k.decode(): int(v) for k, v in fields.items()}))
+        for start, fields in zip(starts, raw, strict=True)
+    ]
+
+
+def merge(buckets: Iterable[Mapping[str, int]]) -> Counter[str]:
+    total: Counter[str] = Counter()
+    for counts in buckets:
+        total.update(counts)
+    return total
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Figures of one window of summed counters."""
+
+    counts: Counter[str]
+    seconds: float
+
+    def requests(self, outcome: RequestOutcome | None = None) -> int:
+        if outcome is not None:
+            return self.counts["req:" + outcome]
+        return sum(self.counts["req:" + o] for o in RequestOutcome)
+
+    def rate(self, outcome: RequestOutcome | None = None) -> float:
+        return self.requests(outcome) / self.seconds if self.seconds > 0 else 0.0
+
+    def demand_rate(self) -> float:
+        """Requests/s that asked for a completion: all but those refused as bad requests."""
+        if not self.seconds:
+            return 0.0
+        return (self.requests() - self.requests(RequestOutcome.BAD_REQUEST)) / self.seconds
+
+    @property
+    def batches(self) -> int:
+        return self.counts["batches"]
+
+    def mean_batch(self) -> float | None:
+        return self.counts["items"] / self.batches if self.batches else None
+
+    def fill_percent(self) -> float | None:
+        capacity = self.counts["capacity"]
+        return 100 * self.counts["items"] / capacity if capacity else None
+
+    def mean_sampler_ms(self) -> float | None:
+        calls = self.counts["calls"]
+        return self.counts["busy_us"] / 1000 / calls if calls else None
+
+    def mean_queue_wait_ms(self) -> float | None:
+        waits = self.counts["waits"]
+        return self.counts["wait_ms"] / waits if waits else None
+
+    def busy_percent(self, worker: str | None = None) -> float | None:
+        prefix = f"w:{worker}:" if worker else ""
+        alive = self.counts[prefix + "alive"]
+        return min(100.0, 100 * self.counts[prefix + "busy_us"] / 1e6 / alive) if alive else None
+
+    def latency_percentile_ms(self, q: float) -> float | None:
+        return histogram_percentile(
+            [self.counts[f"lat:{i}"] for i in range(len(LATENCY_BOUNDS_MS) + 1)], q
+        )
+
+
+def histogram_percentile(bucket_counts: list[int], q: float) -> float | None:
+    """The q-th percentile (0-100) of a LATENCY_BOUNDS_MS histogram, interpolated linearly
+    inside its bucket; None for an empty histogram."""
+    total = sum(bucket_counts)
+    if total == 0:
+        return None
+    rank = q / 100 * total
+    seen = 0
+    for index, count in enumerate(bucket_counts):
+        if count and seen + count >= rank:
+            low = LATENCY_BOUNDS_MS[index - 1] if index > 0 else 0.0
+            high = LATENCY_BOUNDS_MS[index] if index < len(LATENCY_BOUNDS_MS) else low * 1.1
+            return low + (high - low) * max(0.0, rank - seen) / count
+        seen += count
+    return LATENCY_BOUNDS_MS[-1]

@@ -1,0 +1,135 @@
+"""The operators' admin: the policy of each queue, its audit log, per-minute statistics. The
+live stats page (/admin/stats/, linked from the admin index) is operations.views."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.utils.html import format_html, format_html_join
+
+from batching.outcomes import RequestOutcome
+from batching.policy import POLL_INTERVAL_S
+from operations.models import PolicyChange, SamplingPolicy, StatsMinute
+
+
+@admin.register(SamplingPolicy)
+class SamplingPolicyAdmin(admin.ModelAdmin[SamplingPolicy]):
+    list_display = (
+        "queue", "max_batch_size", "deadline_ms", "max_prompt_bytes", "max_new_tokens",
+        "temperature", "top_p", "fill_target_percent", "version", "updated_at", "updated_by",
+    )  # fmt: skip
+    readonly_fields = ("version", "updated_at", "updated_by", "recent_changes")
+    fieldsets = (
+        (None, {"fields": ("queue",)}),
+        ("Batching", {"fields": ("max_batch_size", "deadline_ms", "max_prompt_bytes")}),
+        ("Generation", {"fields": ("max_new_tokens", "temperature", "top_p", "stop")}),
+        ("Capacity planning", {"fields": ("fill_target_percent",)}),
+        ("Audit", {"fields": ("version", "updated_at", "updated_by", "recent_changes")}),
+    )
+
+    def save_model(
+        self, request: HttpRequest, obj: SamplingPolicy, form: Any, change: bool
+    ) -> None:
+        obj.save(changed_by=request.user.get_username())
+        self.message_user(
+            request,
+            f"Policy version {obj.version} of queue {obj.queue} saved; every web process and "
+            f"worker applies it within {POLL_INTERVAL_S:g} s.",
+            messages.SUCCESS,
+        )
+
+    def delete_model(self, request: HttpRequest, obj: SamplingPolicy) -> None:
+        obj.delete(changed_by=request.user.get_username())
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[SamplingPolicy]) -> None:
+        for obj in queryset:  # one audited delete each, never a bulk delete
+            obj.delete(changed_by=request.user.get_username())
+
+    @admin.display(description="recent changes")
+    def recent_changes(self, obj: SamplingPolicy) -> str:
+        changes = PolicyChange.objects.filter(queue=obj.queue)[:10]
+        if not changes:
+            return "-"
+        return format_html(
+            "<table><tr><th>when</th><th>who</th><th>version</th><th>changes</th></tr>{}</table>",
+            format_html_join(
+                "",
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                (
+                    (f"{c.changed_at:%Y-%m-%d %H:%M:%S}", c.changed_by, c.version, c.summary())
+                    for c in changes
+                ),
+            ),
+        )
+
+
+class ReadOnlyAdmin(admin.ModelAdmin[Any]):
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(PolicyChange)
+class PolicyChangeAdmin(ReadOnlyAdmin):
+    list_display = ("changed_at", "queue", "version", "action", "changed_by", "summary")
+    list_filter = ("queue", "action", "changed_by")
+    readonly_fields = ("changed_at", "queue", "version", "action", "changed_by", "old", "new")
+
+
+@admin.register(StatsMinute)
+class StatsMinuteAdmin(ReadOnlyAdmin):
+    list_display = (
+        "minute", "queue", "requests", "ok", "timeouts", "rejected", "errors", "p99_ms",
+        "mean_batch", "fill", "busy",
+    )  # fmt: skip
+    list_filter = ("queue",)
+    date_hierarchy = "minute"
+    readonly_fields = ("minute", "queue", "counts")
+
+    @admin.display(description="requests")
+    def requests(self, row: StatsMinute) -> int:
+        return row.summary.requests()
+
+    @admin.display(description="ok")
+    def ok(self, row: StatsMinute) -> int:
+        return row.summary.requests(RequestOutcome.OK)
+
+    @admin.display(description="timeouts")
+    def timeouts(self, row: StatsMinute) -> int:
+        return row.summary.requests(RequestOutcome.TIMEOUT)
+
+    @admin.display(description="rejected")
+    def rejected(self, row: StatsMinute) -> int:
+        return row.summary.requests(RequestOutcome.REJECTED)
+
+    @admin.display(description="errors")
+    def errors(self, row: StatsMinute) -> int:
+        return row.summary.requests(RequestOutcome.ERROR)
+
+    @admin.display(description="p99 (ms)")
+    def p99_ms(self, row: StatsMinute) -> str:
+        return _fmt(row.summary.latency_percentile_ms(99), ",.0f")
+
+    @admin.display(description="mean batch")
+    def mean_batch(self, row: StatsMinute) -> str:
+        return _fmt(row.summary.mean_batch(), ".1f")
+
+    @admin.display(description="fill")
+    def fill(self, row: StatsMinute) -> str:
+        return _fmt(row.summary.fill_percent(), ".0f", "%")
+
+    @admin.display(description="GPU busy")
+    def busy(self, row: StatsMinute) -> str:
+        return _fmt(row.summary.busy_percent(), ".0f", "%")
+
+
+def _fmt(value: float | None, spec: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"

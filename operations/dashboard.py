@@ -1,0 +1,223 @@
+"""What the admin's stats page shows, read from Redis: charts of the last hour, the last
+minute's figures, the workers, and the GPU-count recommendation.
+
+Django-free: a redis client, the queue and its policy in; plain data and SVG out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import redis
+
+from batching import stats
+from batching.aggregator import HEARTBEAT_TIMEOUT_MS, BatchAggregator
+from batching.outcomes import RequestOutcome
+from batching.policy import Policy
+from operations import charts
+from operations.recommendation import Recommendation, recommend
+
+HOUR_S = 3600
+RECENT_S = 60  # the window of the headline figures and the recommendation
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    name: str
+    host: str
+    gpu: str
+    sampler: str
+    state: str  # idle, busy, stuck, stopped, silent (no heartbeat for HEARTBEAT_TIMEOUT_MS)
+    heartbeat_age_s: float | None
+    batches: int
+    busy_percent: float | None  # over the last minute
+    estimate_ms: float | None
+    policy_version: int | None
+
+
+@dataclass
+class Dashboard:
+    queue: str
+    policy: Policy
+    now: float
+    recent: stats.Summary
+    live_workers: int
+    recommendation: Recommendation
+    workers: list[WorkerRow] = field(default_factory=list)
+    charts: list[str] = field(default_factory=list)
+
+    @property
+    def headline(self) -> list[tuple[str, str]]:
+        recent = self.recent
+
+        def number(value: float | None, fmt: str, unit: str = "") -> str:
+            return "-" if value is None else f"{value:{fmt}}{unit}"
+
+        p50, p99 = recent.latency_percentile_ms(50), recent.latency_percentile_ms(99)
+        failures = (RequestOutcome.TIMEOUT, RequestOutcome.REJECTED, RequestOutcome.ERROR)
+        return [
+            ("requests/s", number(recent.rate(), ",.1f")),
+            ("completions/s (ok)", number(recent.rate(RequestOutcome.OK), ",.1f")),
+            ("timeouts / rejected / errors", " / ".join(str(recent.requests(o)) for o in failures)),
+            ("bad requests", str(recent.requests(RequestOutcome.BAD_REQUEST))),
+            ("latency p50 / p99", f"{number(p50, ',.0f', ' ms')} / {number(p99, ',.0f', ' ms')}"),
+            ("batches", f"{recent.batches:,}"),
+            ("mean batch", number(recent.mean_batch(), ".1f")),
+            ("batch fill", number(recent.fill_percent(), ".0f", "%")),
+            ("expired before sampling", f"{recent.counts['expired']:,}"),
+            ("queue wait (mean)", number(recent.mean_queue_wait_ms(), ",.1f", " ms")),
+            ("sampling call (mean)", number(recent.mean_sampler_ms(), ",.1f", " ms")),
+            ("GPU busy", number(recent.busy_percent(), ".0f", "%")),
+            ("live workers (GPUs)", str(self.live_workers)),
+        ]
+
+
+def build(client: redis.Redis, queue: str, policy: Policy, now: float | None = None) -> Dashboard:
+    now = time.time() if now is None else now
+    current_second = int(now)
+    # Up to the bucket now filling, whose rates are over its elapsed seconds only.
+    hour = stats.read_buckets(
+        client, queue, stats.TEN_SECONDS, current_second - HOUR_S, current_second + 1
+    )
+    minute = stats.read_buckets(
+        client, queue, stats.SECOND, current_second - RECENT_S, current_second
+    )
+    recent = stats.Summary(stats.merge(c for _, c in minute), RECENT_S)
+    aggregator = BatchAggregator(client, queue, max_batch_size=policy.max_batch_size)
+    live = aggregator.live_workers()
+    sampler_ms = recent.mean_sampler_ms()
+    if sampler_ms is None:  # no call in the last minute: the workers' running estimate
+        sampler_ms = aggregator.published_turn_ms()
+    advice = recommend(
+        rate_rps=recent.demand_rate(),
+        sampler_ms=sampler_ms or 1.0,
+        max_batch_size=policy.max_batch_size,
+        fill_target_percent=policy.fill_target_percent,
+        live_gpus=live,
+        deadline_ms=policy.deadline_ms,
+        mean_batch=recent.mean_batch(),
+    )
+    dashboard = Dashboard(queue, policy, now, recent, live, advice)
+    dashboard.workers = _workers(client, aggregator, recent, now)
+    dashboard.charts = _charts(hour, policy, now)
+    return dashboard
+
+
+def _workers(
+    client: redis.Redis,
+    aggregator: BatchAggregator,
+    recent: stats.Summary,
+    now: float,
+) -> list[WorkerRow]:
+    names = [
+        name.decode()
+        for name in client.zrange(
+            aggregator.keys.known_workers,
+            int(now - stats.KNOWN_WORKERS_S),
+            "+inf",
+            byscore=True,
+        )
+    ]
+    if not names:
+        return []
+    infos = client.mget([aggregator.keys.worker_info(name) for name in names])
+    rows = []
+    for name, raw in zip(names, infos, strict=True):
+        info = json.loads(raw) if raw else {}
+        heartbeat_at = info.get("heartbeat_at")
+        age = now - heartbeat_at if heartbeat_at else None
+        state = info.get("state", "silent")
+        if state != "stopped" and (age is None or age * 1000 > HEARTBEAT_TIMEOUT_MS):
+            state = "silent"
+        rows.append(
+            WorkerRow(
+                name=name,
+                host=info.get("host", "?"),
+                gpu=info.get("gpu") or "CPU",
+                sampler=info.get("sampler", "?"),
+                state=state,
+                heartbeat_age_s=age,
+                batches=int(info.get("batches", 0)),
+                busy_percent=recent.busy_percent(name),
+                estimate_ms=info.get("estimate_ms"),
+                policy_version=info.get("policy_version"),
+            )
+        )
+    return sorted(rows, key=lambda row: (row.state in ("stopped", "silent"), row.name))
+
+
+# The shortest span a chart shows: a service that started a minute ago gets readable lines
+# rather than a few pixels at the right edge of an hour.
+MIN_CHART_SPAN_S = 60
+
+
+def _charts(hour: list[tuple[int, Counter[str]]], policy: Policy, now: float) -> list[str]:
+    first_data = next((i for i, (_, counts) in enumerate(hour) if counts), len(hour))
+    shown = max(0, min(first_data - 1, len(hour) - MIN_CHART_SPAN_S // stats.TEN_SECONDS))
+    hour = hour[shown:]
+    # Each point at its bucket's end; the last bucket is still filling, so it ends now.
+    times = [min(start + stats.TEN_SECONDS, now) for start, _ in hour]
+    summaries = [
+        stats.Summary(counts, min(stats.TEN_SECONDS, max(1.0, now - start)))
+        for start, counts in hour
+    ]
+    colors = {
+        RequestOutcome.OK: charts.PALETTE["green"],
+        RequestOutcome.TIMEOUT: charts.PALETTE["orange"],
+        RequestOutcome.REJECTED: charts.PALETTE["purple"],
+        RequestOutcome.BAD_REQUEST: charts.PALETTE["grey"],
+        RequestOutcome.ERROR: charts.PALETTE["red"],
+    }
+    requests = charts.line_chart(
+        title="Requests per second, by outcome",
+        times=times,
+        now=now,
+        series=[
+            charts.Series(
+                outcome.replace("_", " "),
+                colors[outcome],
+                [s.rate(outcome) if s.requests() else None for s in summaries],
+            )
+            for outcome in RequestOutcome
+        ],
+    )
+    fill = charts.line_chart(
+        title=f"Mean batch fill (% of the max batch size, {policy.max_batch_size} now)",
+        times=times,
+        now=now,
+        unit="%",
+        y_max=100,
+        series=[
+            charts.Series("fill", charts.PALETTE["blue"], [s.fill_percent() for s in summaries])
+        ],
+    )
+    percentiles = (
+        (50, charts.PALETTE["green"]),
+        (95, charts.PALETTE["orange"]),
+        (99, charts.PALETTE["red"]),
+    )
+    latency = charts.line_chart(
+        title="Request latency (ms) against the deadline",
+        times=times,
+        now=now,
+        unit=" ms",
+        reference=charts.Reference(policy.deadline_ms, f"deadline {policy.deadline_ms:,} ms"),
+        series=[
+            charts.Series(f"p{q}", color, [s.latency_percentile_ms(q) for s in summaries])
+            for q, color in percentiles
+        ],
+    )
+    busy = charts.line_chart(
+        title="GPU busy (% of worker time in sampling calls)",
+        times=times,
+        now=now,
+        unit="%",
+        y_max=100,
+        series=[
+            charts.Series("busy", charts.PALETTE["teal"], [s.busy_percent() for s in summaries])
+        ],
+    )
+    return [requests, fill, latency, busy]

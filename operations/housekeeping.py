@@ -1,0 +1,90 @@
+"""Off the request path, every few seconds in each web process (a background job of
+sampling.runtime, registered by operations.apps).
+
+1. The policy in Redis follows the database: republished when Redis lost it (a restart) or
+   missed a save (Redis was down at the time).
+2. Completed minutes of statistics go from Redis to StatsMinute rows, and rows older than
+   SAMPLING_STATS_RETENTION_DAYS are deleted. One process at a time does it (a Redis lock),
+   and a marker in Redis says which minutes are done, so no minute is written twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from datetime import UTC, datetime, timedelta
+
+import redis
+from django.conf import settings
+from django.db import close_old_connections
+from django.utils import timezone
+
+from batching import policy as live_policy
+from batching import stats
+from batching.keys import QueueKeys
+from operations.models import SamplingPolicy, StatsMinute, default_policy
+
+log = logging.getLogger(__name__)
+
+# A minute is written once it ended this long ago: web processes flush once a second.
+GRACE_S = 15
+# Not further back than the 10-second buckets are kept in Redis.
+MAX_BACKLOG_MINUTES = stats.TTL_S[stats.TEN_SECONDS] // 60 - 5
+
+
+def run(client: redis.Redis, queue: str, current: live_policy.Policy) -> None:
+    try:
+        reconcile_policy(client, queue, current)
+        lock = client.lock(QueueKeys(queue).housekeeping_lock, timeout=60, blocking=False)
+        if lock.acquire():
+            try:
+                persist_minutes(client, queue, time.time())
+                prune(queue, settings.SAMPLING_STATS_RETENTION_DAYS)
+            finally:
+                lock.release()
+    finally:
+        close_old_connections()
+
+
+def reconcile_policy(client: redis.Redis, queue: str, current: live_policy.Policy) -> None:
+    row = SamplingPolicy.objects.filter(queue=queue).first()
+    if row is not None and row.as_policy() != current:
+        log.warning("republishing policy version %d of %s", row.version, queue)
+        live_policy.publish(client, queue, row.as_policy())
+    elif row is None and current != default_policy():
+        log.warning("withdrawing a policy of %s that has no row", queue)
+        live_policy.withdraw(client, queue)
+
+
+def persist_minutes(client: redis.Redis, queue: str, now_s: float) -> int:
+    """Write every completed minute not yet written; returns the number of rows written."""
+    last = int(now_s - GRACE_S) // 60 - 1  # the newest minute that has ended
+    marker = client.get(QueueKeys(queue).persisted_minute)
+    first = last - MAX_BACKLOG_MINUTES if marker is None else int(marker) + 1
+    first = max(first, last - MAX_BACKLOG_MINUTES)
+    if first > last:
+        return 0
+    buckets = stats.read_buckets(client, queue, stats.TEN_SECONDS, first * 60, (last + 1) * 60)
+    minutes: defaultdict[int, Counter[str]] = defaultdict(Counter)
+    for start, counts in buckets:
+        if counts:
+            minutes[start // 60].update(counts)
+    rows = [
+        StatsMinute(
+            queue=queue,
+            minute=datetime.fromtimestamp(minute * 60, tz=UTC),
+            counts=dict(counts),
+        )
+        for minute, counts in sorted(minutes.items())
+    ]
+    # ignore_conflicts: a minute written by a process whose lock expired mid-way stays as is.
+    StatsMinute.objects.bulk_create(rows, ignore_conflicts=True)
+    client.set(QueueKeys(queue).persisted_minute, last, ex=stats.TTL_S[stats.TEN_SECONDS])
+    return len(rows)
+
+
+def prune(queue: str, retention_days: int) -> int:
+    cutoff = timezone.now() - timedelta(days=retention_days)
+    deleted, _ = StatsMinute.objects.filter(queue=queue, minute__lt=cutoff).delete()
+    return deleted

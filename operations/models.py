@@ -1,0 +1,255 @@
+"""Operators' data: the sampling policy of each queue, its audit log, per-minute statistics.
+
+None of these is read on the request path. A saved policy is published to Redis (see
+batching/policy.py), from where every web process and worker picks it up within a second;
+per-minute statistics are written by one web process at a time, off the request path (see
+operations/housekeeping.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from functools import partial
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models, transaction
+from django.db.models import Max
+
+from batching import policy as live_policy
+from batching.stats import Summary
+from sampling.runtime import redis_client
+
+log = logging.getLogger(__name__)
+
+
+def default_policy() -> live_policy.Policy:
+    """The environment's settings: the policy of a queue without a row (version 0)."""
+    return live_policy.policy_from_settings(settings)
+
+
+def _bounded(name: str, unit: str = "") -> list[Any]:
+    low, high = live_policy.BOUNDS[name]
+    suffix = f" {unit}" if unit else ""
+    return [
+        MinValueValidator(low, f"must be at least {live_policy.number(low)}{suffix}"),
+        MaxValueValidator(high, f"must be at most {live_policy.number(high)}{suffix}"),
+    ]
+
+
+# Field defaults read the environment when a row is created (callables, so that migrations
+# do not freeze one machine's settings).
+def _default_queue() -> str:
+    return settings.SAMPLING_QUEUE
+
+
+def policy_default(name: str) -> Any:
+    return getattr(default_policy(), name)
+
+
+def _default(name: str) -> partial[Any]:
+    return partial(policy_default, name)
+
+
+# The policy's settings (every field but the version), as the row and the audit log hold them.
+POLICY_FIELDS = tuple(live_policy.SETTING_NAMES)
+
+
+class SamplingPolicy(models.Model):
+    queue = models.CharField(
+        max_length=64,
+        unique=True,
+        default=_default_queue,
+        help_text="The Celery queue of the served model (SAMPLING_QUEUE of its processes).",
+    )
+    max_batch_size = models.PositiveSmallIntegerField(
+        default=_default("max_batch_size"),
+        validators=_bounded("max_batch_size", "prompts"),
+        help_text="A batch closes when it holds this many prompts (1 to 100).",
+    )
+    deadline_ms = models.PositiveIntegerField(
+        "deadline (ms)",
+        default=_default("deadline_ms"),
+        validators=_bounded("deadline_ms", "ms"),
+        help_text="A request gets its completion or a 504 within this many milliseconds.",
+    )
+    max_prompt_bytes = models.PositiveIntegerField(
+        default=_default("max_prompt_bytes"),
+        validators=_bounded("max_prompt_bytes", "bytes"),
+        help_text="Longer prompts get a 400 at once.",
+    )
+    max_new_tokens = models.PositiveIntegerField(
+        default=_default("max_new_tokens"), validators=_bounded("max_new_tokens", "tokens")
+    )
+    temperature = models.FloatField(
+        default=_default("temperature"),
+        validators=_bounded("temperature"),
+        help_text="0 is greedy (the same prompt always gets the same completion).",
+    )
+    top_p = models.FloatField(
+        "top-p",
+        default=_default("top_p"),
+        validators=_bounded("top_p"),
+        help_text="Above 0, at most 1 (1: no nucleus cut). Used when temperature is above 0.",
+    )
+    stop = models.CharField(
+        "stop string",
+        max_length=200,
+        blank=True,
+        default=_default("stop"),
+        help_text="Completions end before its first occurrence. Empty for none.",
+    )
+    fill_target_percent = models.PositiveSmallIntegerField(
+        "fill target (%)",
+        default=_default("fill_target_percent"),
+        validators=_bounded("fill_target_percent", "%"),
+        help_text="The batch fill the GPU-count recommendation plans for; the rest is headroom.",
+    )
+    version = models.PositiveIntegerField(default=0, editable=False)
+    updated_at = models.DateTimeField(auto_now=True)
+    updated_by = models.CharField(max_length=150, blank=True, editable=False)
+
+    class Meta:
+        verbose_name = "sampling policy"
+        verbose_name_plural = "sampling policies"
+
+    def __str__(self) -> str:
+        return f"policy of queue {self.queue} (version {self.version})"
+
+    def save(self, *args: Any, changed_by: str = "", **kwargs: Any) -> None:
+        """Save, record the change, and publish the policy to Redis once committed."""
+        with transaction.atomic():
+            previous = (
+                SamplingPolicy.objects.select_for_update().filter(pk=self.pk).first()
+                if self.pk
+                else None
+            )
+            old = previous.as_policy() if previous else default_policy()
+            if previous is not None and previous.queue != self.queue:
+                # A row moved to another queue: the old queue falls back to its defaults.
+                transaction.on_commit(partial(_withdraw, previous.queue))
+            self.version = PolicyChange.next_version(self.queue)
+            self.updated_by = changed_by
+            super().save(*args, **kwargs)
+            PolicyChange.objects.create(
+                queue=self.queue,
+                version=self.version,
+                changed_by=changed_by,
+                action=PolicyChange.CHANGED if previous else PolicyChange.CREATED,
+                old=_settings_of(old),
+                new=_settings_of(self.as_policy()),
+            )
+            published = self.as_policy()
+            transaction.on_commit(lambda: _publish(self.queue, published))
+
+    def delete(self, *args: Any, changed_by: str = "", **kwargs: Any) -> Any:
+        with transaction.atomic():
+            PolicyChange.objects.create(
+                queue=self.queue,
+                version=PolicyChange.next_version(self.queue),
+                changed_by=changed_by,
+                action=PolicyChange.DELETED,
+                old=_settings_of(self.as_policy()),
+                new=_settings_of(default_policy()),
+            )
+            result = super().delete(*args, **kwargs)
+            transaction.on_commit(partial(_withdraw, self.queue))
+        return result
+
+    def clean(self) -> None:
+        super().clean()
+        if self.top_p is not None and self.top_p <= 0:
+            raise ValidationError({"top_p": "must be above 0 (1 means no nucleus cut)"})
+
+    def as_policy(self) -> live_policy.Policy:
+        return live_policy.Policy(
+            **{name: getattr(self, name) for name in POLICY_FIELDS}, version=self.version
+        )
+
+
+def _settings_of(policy: live_policy.Policy) -> dict[str, Any]:
+    return {name: getattr(policy, name) for name in POLICY_FIELDS}
+
+
+def _publish(queue: str, policy: live_policy.Policy) -> None:
+    try:
+        live_policy.publish(redis_client(), queue, policy)
+    except redis.RedisError as exc:
+        # Saved all the same: the web processes' housekeeping republishes the database's
+        # policy within HOUSEKEEPING_INTERVAL_S once Redis answers.
+        log.error("policy of %s saved but not yet published: %s", queue, exc)
+
+
+def _withdraw(queue: str) -> None:
+    try:
+        live_policy.withdraw(redis_client(), queue)
+    except redis.RedisError as exc:
+        log.error("policy of %s deleted but not yet withdrawn: %s", queue, exc)
+
+
+class PolicyChange(models.Model):
+    """The audit log: one row per saved or deleted policy, never edited."""
+
+    CREATED = "created"
+    CHANGED = "changed"
+    DELETED = "deleted"
+
+    queue = models.CharField(max_length=64, db_index=True)
+    version = models.PositiveIntegerField()
+    changed_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    changed_by = models.CharField(max_length=150, blank=True)
+    action = models.CharField(max_length=10, choices=[(a, a) for a in (CREATED, CHANGED, DELETED)])
+    old = models.JSONField(help_text="The settings before (the environment's without a row).")
+    new = models.JSONField(help_text="The settings after (the environment's after a delete).")
+
+    class Meta:
+        ordering = ["-changed_at", "-id"]
+        verbose_name = "policy change"
+
+    def __str__(self) -> str:
+        return f"{self.queue} v{self.version} {self.action} by {self.changed_by or '?'}"
+
+    @classmethod
+    def next_version(cls, queue: str) -> int:
+        return (cls.objects.filter(queue=queue).aggregate(v=Max("version"))["v"] or 0) + 1
+
+    def differences(self) -> dict[str, tuple[Any, Any]]:
+        return {
+            name: (self.old.get(name), self.new.get(name))
+            for name in POLICY_FIELDS
+            if self.old.get(name) != self.new.get(name)
+        }
+
+    def summary(self) -> str:
+        changed = self.differences()
+        if not changed:
+            return "no setting changed"
+        return "; ".join(f"{name}: {old!r} → {new!r}" for name, (old, new) in changed.items())
+
+
+class StatsMinute(models.Model):
+    """One minute of one queue's counters (sampling/stats.py), for history; rows are deleted
+    after SAMPLING_STATS_RETENTION_DAYS."""
+
+    queue = models.CharField(max_length=64)
+    minute = models.DateTimeField()
+    counts = models.JSONField()
+
+    class Meta:
+        ordering = ["-minute"]
+        constraints = [
+            models.UniqueConstraint(fields=["queue", "minute"], name="one_row_per_queue_minute")
+        ]
+        indexes = [models.Index(fields=["minute"])]
+        verbose_name = "statistics minute"
+
+    def __str__(self) -> str:
+        return f"{self.queue} {self.minute:%Y-%m-%d %H:%M}"
+
+    @property
+    def summary(self) -> Summary:
+        return Summary(Counter(self.counts), 60.0)

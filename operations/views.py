@@ -1,0 +1,37 @@
+"""The live stats page of a queue: /admin/stats/ (behind the admin's login)."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib import admin
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.utils.safestring import mark_safe
+
+from operations import dashboard
+from operations.models import SamplingPolicy, default_policy
+from sampling.runtime import redis_client, web_process
+
+
+def stats_page(request: HttpRequest) -> HttpResponse:
+    """The live stats page of one queue (?queue=, by default this node's SAMPLING_QUEUE)."""
+    queue = request.GET.get("queue") or settings.SAMPLING_QUEUE
+    if queue == settings.SAMPLING_QUEUE:
+        policy = web_process().watcher.current  # what this node's processes apply now
+    else:
+        row = SamplingPolicy.objects.filter(queue=queue).first()
+        policy = row.as_policy() if row else default_policy()
+    board = dashboard.build(redis_client(), queue, policy)
+    context = {
+        **admin.site.each_context(request),
+        "title": f"Live statistics of queue {queue}",
+        "board": board,
+        # Built from numbers, every text escaped (operations.charts).
+        "charts": [mark_safe(svg) for svg in board.charts],  # noqa: S308
+        "queues": sorted(
+            {settings.SAMPLING_QUEUE, *SamplingPolicy.objects.values_list("queue", flat=True)}
+        ),
+        "refresh_s": 5,
+        "retention_days": settings.SAMPLING_STATS_RETENTION_DAYS,
+    }
+    return TemplateResponse(request, "admin/sampling/stats.html", context)

@@ -1,0 +1,175 @@
+"""`python manage.py capacity --rps 20000 --deadline-ms 500`: how many GPUs, and web nodes.
+
+The answer comes from a discrete-event simulation of the service's own policy
+(planning/simulation.py): Poisson arrivals, lazy sealing by free GPUs, deadline drops and
+admission, searched upward from the analytic lower bound ceil(rps x batch time / max batch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from batching.policy import MAX_BATCH_SIZE
+from planning import simulation
+
+# Front-end CPU per /sample request, measured by `make bench-compare` (docs/benchmarks:
+# ours at 90% load, N = 1) on the 2-core machine that README's figures come from.
+MEASURED_WEB_CPU_MS = 0.9
+TABLE_RATES = [1_000, 5_000, 10_000, 20_000, 50_000]
+
+
+@dataclass(frozen=True)
+class Options:
+    """The command's options, typed once."""
+
+    rps: float
+    deadline_ms: float
+    batch_ms: float
+    max_batch: int
+    percentile: float
+    web_cpu_ms: float
+    web_node_cores: int
+    web_utilisation: float
+    seconds: float
+    seed: int
+    table: bool
+
+    @classmethod
+    def parse(cls, options: dict[str, Any]) -> Options:
+        return cls(**{f.name: options[f.name] for f in fields(cls)})
+
+    def scenario(self, rate: float) -> simulation.Scenario:
+        if rate <= 0 or self.deadline_ms <= 0 or self.batch_ms <= 0:
+            raise CommandError("--rps, --deadline-ms and --batch-ms must be above 0")
+        if not 1 <= self.max_batch <= MAX_BATCH_SIZE:
+            raise CommandError(f"--max-batch must be 1 to {MAX_BATCH_SIZE}")
+        seconds = self.seconds
+        if seconds <= 0:
+            # Long enough for a steady state (hundreds of calls per GPU), capped at about a
+            # million arrivals per GPU count tried.
+            seconds = max(10.0, min(60.0, 1_000_000 / rate))
+        return simulation.Scenario(
+            rate_rps=rate,
+            gpus=1,
+            batch_ms=self.batch_ms,
+            max_batch=self.max_batch,
+            deadline_ms=self.deadline_ms,
+            duration_s=seconds,
+            seed=self.seed,
+        )
+
+    def web_nodes(self, rate: float) -> int:
+        return simulation.web_nodes(
+            rate, self.web_cpu_ms, self.web_node_cores, self.web_utilisation
+        )
+
+    @property
+    def web_basis(self) -> str:
+        return (
+            f"{self.web_cpu_ms} ms CPU per request on {self.web_node_cores}-core "
+            f"nodes at {self.web_utilisation:.0%}"
+        )
+
+
+class Command(BaseCommand):
+    help = "The fewest GPUs (and web nodes) that keep a latency percentile within the deadline."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--rps", type=float, required=True, help="offered requests/s")
+        parser.add_argument("--deadline-ms", type=float, required=True)
+        parser.add_argument("--batch-ms", type=float, default=100.0, help="one call's time")
+        parser.add_argument("--max-batch", type=int, default=MAX_BATCH_SIZE)
+        parser.add_argument(
+            "--percentile",
+            type=float,
+            default=99.0,
+            help="this share of requests must be answered within the deadline (default 99)",
+        )
+        parser.add_argument(
+            "--web-cpu-ms",
+            type=float,
+            default=MEASURED_WEB_CPU_MS,
+            help=f"front-end CPU ms per request (default {MEASURED_WEB_CPU_MS}, measured)",
+        )
+        parser.add_argument("--web-node-cores", type=int, default=16)
+        parser.add_argument(
+            "--web-utilisation",
+            type=float,
+            default=0.6,
+            help="the share of a web node's cores to plan for (default 0.6: room for bursts)",
+        )
+        parser.add_argument(
+            "--seconds", type=float, default=0.0, help="simulated seconds (default: automatic)"
+        )
+        parser.add_argument("--seed", type=int, default=1)
+        parser.add_argument("--table", action="store_true", help=f"also plan {TABLE_RATES}")
+
+    def handle(self, *args: Any, **raw: Any) -> None:
+        options = Options.parse(raw)
+        base = options.scenario(options.rps)
+        q = options.percentile
+        if not 0 < q <= 100:
+            raise CommandError("--percentile must be in (0, 100]")
+        if base.batch_ms + base.path_ms > base.deadline_ms:
+            raise CommandError(
+                f"one call ({base.batch_ms:g} ms) plus the request path ({base.path_ms:g} ms) "
+                f"is past the {base.deadline_ms:g} ms deadline: no number of GPUs meets it"
+            )
+        plan = simulation.fewest_gpus(base, q)
+        out = plan.outcome
+        write = self.stdout.write
+        write(
+            f"{base.rate_rps:,.0f} req/s, p{q:g} within {base.deadline_ms:g} ms, calls of "
+            f"{base.batch_ms:g} ms with up to {base.max_batch} prompts:"
+        )
+        write(f"  GPUs needed:           {plan.gpus}")
+        write(
+            f"  analytic lower bound:  {plan.lower_bound}  "
+            f"(ceil({base.rate_rps:,.0f} x {base.batch_ms / 1000:g} s / {base.max_batch}))"
+        )
+        write(
+            f"  predicted goodput:     {out.goodput_rps:,.0f} req/s "
+            f"({out.ok_share:.2%} answered in time)"
+        )
+        write(
+            f"  batch fill:            {out.mean_batch / base.max_batch:.0%} "
+            f"(mean batch {out.mean_batch:.1f}); GPUs busy {out.busy_share:.0%}"
+        )
+        write(
+            "  latency p50/p95/p99:   "
+            + " / ".join(_ms(out.percentile_ms(p)) for p in (50, 95, 99))
+        )
+        write(f"  web nodes:             {options.web_nodes(base.rate_rps)}  ({options.web_basis})")
+        tried = ", ".join(
+            f"{gpus}: p{q:g} {_ms(o.percentile_ms(q))}" for gpus, o in sorted(plan.tried.items())
+        )
+        write(f"  simulated {base.duration_s:g} s per GPU count ({tried})")
+        if options.table:
+            write("")
+            write(self.table(options))
+
+    def table(self, options: Options) -> str:
+        q = options.percentile
+        lines = [
+            f"| req/s | lower bound | GPUs (p{q:g}) | goodput | batch fill | p50 | p99 "
+            "| web nodes |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for rate in TABLE_RATES:
+            plan = simulation.fewest_gpus(options.scenario(rate), q)
+            out = plan.outcome
+            lines.append(
+                f"| {rate:,} | {plan.lower_bound} | {plan.gpus} | {out.goodput_rps:,.0f} "
+                f"| {out.mean_batch / out.scenario.max_batch:.0%} "
+                f"| {_ms(out.percentile_ms(50))} | {_ms(out.percentile_ms(99))} "
+                f"| {options.web_nodes(rate)} |"
+            )
+        return "\n".join(lines)
+
+
+def _ms(value: float) -> str:
+    return "missed" if math.isinf(value) else f"{value:,.0f} ms"

@@ -1,0 +1,142 @@
+"""The per-process runtime of a web process: Redis client, aggregator, live policy, statistics.
+
+Built lazily after gunicorn forks (and after gevent patches sockets), once per process.
+The pool is bounded: thousands of waiting requests share a few dozen connections, since a
+request holds one only for its single Lua call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+from django.conf import settings
+
+from batching.aggregator import BatchAggregator
+from batching.policy import Policy, PolicyWatcher, policy_from_settings
+from batching.stats import RequestStats
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS_PER_PROCESS = 64
+STATS_FLUSH_INTERVAL_S = 1.0
+BACKGROUND_JOB_INTERVAL_S = 10.0
+
+# A job run every BACKGROUND_JOB_INTERVAL_S in each web process, off the request path:
+# job(client, queue, the policy this process applies). The operators' app registers its
+# housekeeping here (operations.apps), so the request path does not import that app.
+BackgroundJob = Callable[[redis.Redis, str, Policy], None]
+_background_jobs: list[BackgroundJob] = []
+
+_clients: dict[int, redis.Redis] = {}
+_web: dict[int, WebProcess] = {}
+
+
+def register_background_job(job: BackgroundJob) -> None:
+    if job not in _background_jobs:
+        _background_jobs.append(job)
+
+
+def redis_client() -> redis.Redis:
+    """This process's Redis client, over a bounded pool."""
+    pid = os.getpid()
+    client = _clients.get(pid)
+    if client is None:
+        pool = redis.BlockingConnectionPool.from_url(
+            settings.REDIS_URL,
+            max_connections=MAX_CONNECTIONS_PER_PROCESS,
+            timeout=2,
+            socket_timeout=5,
+            socket_connect_timeout=2,
+        )
+        client = _clients[pid] = redis.Redis(connection_pool=pool)
+    return client
+
+
+@dataclass
+class WebProcess:
+    """What the request path of this process uses: the aggregator, the live policy and the
+    statistics buffer, kept up to date by two background threads (greenlets under gevent):
+    the policy watcher, and a loop that flushes statistics and runs the background jobs."""
+
+    client: redis.Redis
+    aggregator: BatchAggregator
+    watcher: PolicyWatcher
+    stats: RequestStats
+
+    def start(self) -> None:
+        self.watcher.start()
+        threading.Thread(target=self._background, name="stats-flush", daemon=True).start()
+
+    def _background(self) -> None:
+        next_jobs = time.monotonic() + BACKGROUND_JOB_INTERVAL_S * random.random()  # noqa: S311
+        while True:
+            time.sleep(STATS_FLUSH_INTERVAL_S)
+            try:
+                self.stats.flush(self.client)
+            except redis.RedisError as exc:
+                log.warning("statistics not flushed (kept for the next try): %s", exc)
+            if time.monotonic() >= next_jobs:
+                next_jobs = time.monotonic() + BACKGROUND_JOB_INTERVAL_S
+                for job in _background_jobs:
+                    try:
+                        job(self.client, self.aggregator.queue, self.watcher.current)
+                    except Exception:  # a failing job must not stop the statistics' flush
+                        log.exception("background job %s failed", job.__qualname__)
+
+
+def web_process() -> WebProcess:
+    pid = os.getpid()
+    found = _web.get(pid)
+    if found is None:
+        client = redis_client()
+        defaults = policy_from_settings(settings)
+        aggregator = BatchAggregator(
+            client,
+            settings.SAMPLING_QUEUE,
+            max_batch_size=defaults.max_batch_size,
+            deadline_ms=defaults.deadline_ms,
+        )
+        watcher = PolicyWatcher(client, settings.SAMPLING_QUEUE, defaults)
+        watcher.on_change(
+            lambda p: aggregator.configure(
+                max_batch_size=p.max_batch_size, deadline_ms=p.deadline_ms
+            )
+        )
+        found = _web[pid] = WebProcess(client, aggregator, watcher, RequestStats(aggregator.queue))
+        found.start()
+    return found
+
+
+def warm_up() -> None:
+    """Pay at process start what the first requests would otherwise pay inside their deadline
+    (measured: the first /sample of a fresh process took ~30 ms longer than the next): the
+    view's imports, a Redis connection with the Lua scripts loaded, the broker connection of
+    Celery's producer, and the result listener's subscription connection. Called by
+    gunicorn's post_worker_init; a failure is only logged, the requests will retry."""
+    from django.urls import resolve
+    from kombu.common import maybe_declare
+
+    from batching.results import SharedListenerRedisBackend
+    from inference_site.celery import app as celery_app
+
+    resolve("/sample")  # imports the view and the result backend
+    try:
+        web_process().aggregator.load_scripts()
+        with celery_app.producer_pool.acquire(block=True, timeout=2) as producer:
+            assert producer.connection is not None  # a pooled producer has one
+            producer.connection.ensure_connection(max_retries=1)
+            # The first publish to a queue declares it on that connection: do it now.
+            queue = celery_app.amqp.queues[settings.SAMPLING_QUEUE]
+            maybe_declare(queue, producer.channel)  # type: ignore[arg-type]  # a channel here
+        backend = celery_app.backend
+        if isinstance(backend, SharedListenerRedisBackend):  # as CELERY_RESULT_BACKEND says
+            backend.listener.ensure_started()
+    except Exception as exc:  # noqa: BLE001 - Redis or the broker down at start: requests say so
+        log.warning("web process warm-up incomplete: %s", exc)

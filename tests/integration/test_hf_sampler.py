@@ -1,0 +1,212 @@
+"""The transformers sampler's real loading and generation code, on CPU: a tiny model the tests
+build (random weights, real tokenizer) for the batching rules, and the packaged SmolLM2 GGUF
+for loading a real model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference_site.lib.stack import ROOT
+from tests.support.tiny_model import TINY_CONTEXT_TOKENS, build_tiny_model
+from workers.samplers.base import MAX_BATCH, GenerationSettings, PromptRejected
+from workers.samplers.hf import (
+    PACKAGED_MODEL_FILE,
+    HFSampler,
+    ModelNotFound,
+    packaged_model_path,
+    resolve_model,
+)
+
+MIXED_PROMPTS = [
+    "E equals ",
+    "x",
+    "For every action, there is an equal and opposite",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over",
+    "Once upon a time",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir: Path) -> HFSampler:
+    return HFSampler(str(tiny_model_dir), GenerationSettings(max_new_tokens=8))
+
+
+def completions_alone(sampler: HFSampler, prompts: list[str]) -> list[str | PromptRejected]:
+    return [sampler.batched_sample([prompt])[0] for prompt in prompts]
+
+
+# --- model resolution ----------------------------------------------------------------------
+
+
+def test_empty_model_setting_means_the_packaged_gguf() -> None:
+    source = resolve_model("")
+    assert source.gguf_file == PACKAGED_MODEL_FILE
+    assert (Path(source.name_or_path) / PACKAGED_MODEL_FILE).is_file()
+    assert packaged_model_path().stat().st_size > 50_000_000
+
+
+def test_local_directory_gguf_file_and_hub_id(tiny_model_dir: Path, tmp_path: Path) -> None:
+    assert resolve_model(str(tiny_model_dir)).name_or_path == str(tiny_model_dir)
+    assert resolve_model(str(tiny_model_dir)).gguf_file is None
+    gguf = packaged_model_path()
+    assert resolve_model(str(gguf)).gguf_file == gguf.name
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct").name_or_path == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"x")
+    with pytest.raises(ModelNotFound, match=r"not a \.gguf"):
+        resolve_model(str(not_gguf))
+    for missing in (str(tmp_path / "missing"), "./missing", "missing.gguf"):
+        with pytest.raises(ModelNotFound, match="no such file"):
+            resolve_model(missing)
+
+
+def test_a_hub_id_missing_from_the_cache_says_how_to_fetch_it() -> None:
+    with pytest.raises(ModelNotFound, match="hf download nobody/no-such-model"):
+        HFSampler("nobody/no-such-model")
+
+
+def test_generation_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GenerationSettings(max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        GenerationSettings(temperature=-0.1)
+    with pytest.raises(ValueError, match="top_p"):
+        GenerationSettings(top_p=0)
+
+
+def test_no_room_for_a_prompt_fails_at_load(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="leaves no room"):
+        HFSampler(str(tiny_model_dir), GenerationSettings(max_new_tokens=TINY_CONTEXT_TOKENS))
+
+
+# --- batching on the tiny model --------------------------------------------------------------
+
+
+def test_padded_batch_of_mixed_lengths_matches_each_prompt_alone(tiny: HFSampler) -> None:
+    lengths = {len(tiny.tokenizer(p)["input_ids"]) for p in MIXED_PROMPTS}
+    assert len(lengths) == len(MIXED_PROMPTS)  # every row of the batch is padded differently
+    batched = tiny.batched_sample(MIXED_PROMPTS)
+    assert batched == completions_alone(tiny, MIXED_PROMPTS)
+    assert all(isinstance(c, str) and c for c in batched)
+    assert len(set(batched)) == len(MIXED_PROMPTS)
+
+
+def test_order_follows_the_prompts(tiny: HFSampler) -> None:
+    forward = tiny.batched_sample(MIXED_PROMPTS)
+    backward = tiny.batched_sample(MIXED_PROMPTS[::-1])
+    assert backward == forward[::-1]
+
+
+def test_temperature_zero_is_deterministic(tiny: HFSampler) -> None:
+    assert tiny.batched_sample(MIXED_PROMPTS) == tiny.batched_sample(MIXED_PROMPTS)
+
+
+def test_temperature_above_zero_samples(tiny_model_dir: Path) -> None:
+    sampler = HFSampler(str(tiny_model_dir), GenerationSettings(max_new_tokens=8, temperature=1))
+    draws = {tuple(sampler.batched_sample(MIXED_PROMPTS)) for _ in range(3)}
+    assert len(draws) > 1  # 8 tokens drawn from 49,152 each: equal draws would be a bug
+
+
+def test_completion_is_only_new_text_without_special_tokens(tiny: HFSampler) -> None:
+    special = [t for t in tiny.tokenizer.all_special_tokens if t]
+    for prompt, completion in zip(MIXED_PROMPTS, tiny.batched_sample(MIXED_PROMPTS), strict=True):
+        assert isinstance(completion, str)
+        assert not completion.startswith(prompt)
+        assert not any(token in completion for token in special), completion
+
+
+def test_max_new_tokens_bounds_the_completion(tiny_model_dir: Path, tiny: HFSampler) -> None:
+    one = HFSampler(str(tiny_model_dir), GenerationSettings(max_new_tokens=1))
+    short = one.batched_sample(MIXED_PROMPTS)
+    full = tiny.batched_sample(MIXED_PROMPTS)
+    for first, whole in zip(short, full, strict=True):
+        assert isinstance(first, str)
+        assert isinstance(whole, str)
+        assert whole.startswith(first)
+        assert len(first) < len(whole)
+
+
+def test_stop_string_cuts_the_completion(tiny_model_dir: Path, tiny: HFSampler) -> None:
+    prompt = MIXED_PROMPTS[0]
+    full = tiny.batched_sample([prompt])[0]
+    assert isinstance(full, str)
+    assert len(full) > 4
+    stop = full[len(full) // 2 :][:2]  # a string the greedy completion is known to contain
+    settings = GenerationSettings(max_new_tokens=8, stop=stop)
+    cut = HFSampler(str(tiny_model_dir), settings).batched_sample([prompt, *MIXED_PROMPTS[1:]])
+    assert cut[0] == full[: full.find(stop)]
+    assert all(stop not in c for c in cut if isinstance(c, str))
+
+
+def test_too_long_prompt_is_rejected_alone(tiny: HFSampler) -> None:
+    too_long = "word " * TINY_CONTEXT_TOKENS
+    prompts = [MIXED_PROMPTS[0], too_long, MIXED_PROMPTS[2]]
+    results = tiny.batched_sample(prompts)
+    assert isinstance(results[1], PromptRejected)
+    tokens = len(tiny.tokenizer(too_long)["input_ids"])
+    assert str(results[1]) == (
+        f"prompt is {tokens} tokens; at most {TINY_CONTEXT_TOKENS - 8} fit "
+        f"({TINY_CONTEXT_TOKENS}-token context less 8 new tokens)"
+    )
+    assert [results[0], results[2]] == completions_alone(tiny, [prompts[0], prompts[2]])
+
+
+def test_a_prompt_of_exactly_the_limit_is_sampled(tiny: HFSampler) -> None:
+    ids = tiny.tokenizer("word " * TINY_CONTEXT_TOKENS)["input_ids"][: tiny.max_prompt_tokens]
+    prompt = tiny.tokenizer.decode(ids)
+    assert len(tiny.tokenizer(prompt)["input_ids"]) == tiny.max_prompt_tokens
+    assert isinstance(tiny.batched_sample([prompt])[0], str)
+
+
+def test_full_batch_and_over_the_limit(tiny: HFSampler) -> None:
+    prompts = [f"prompt number {i}" for i in range(MAX_BATCH)]
+    results = tiny.batched_sample(prompts)
+    assert len(results) == MAX_BATCH
+    assert results[:3] == completions_alone(tiny, prompts[:3])
+    with pytest.raises(ValueError, match="at most 100"):
+        tiny.batched_sample([*prompts, "one too many"])
+
+
+def test_warm_up_reports_a_duration(tiny: HFSampler) -> None:
+    assert 0 < tiny.warm_up() < 30_000
+
+
+# --- the packaged SmolLM2 GGUF ------------------------------------------------------------
+
+
+def test_packaged_smollm2_loads_and_writes_text(smollm2: HFSampler) -> None:
+    assert smollm2.name == f"hf:{PACKAGED_MODEL_FILE}"
+    assert smollm2.device == "cpu"
+    assert smollm2.context_tokens == 8192
+    # A fact a 135M model knows: garbled weights (a bad GGUF dequantisation) would miss it.
+    completion = smollm2.batched_sample(["The capital of France is"])[0]
+    assert isinstance(completion, str)
+    assert "Paris" in completion
+
+
+def test_packaged_smollm2_batch_matches_alone(smollm2: HFSampler) -> None:
+    prompts = MIXED_PROMPTS[:3]
+    assert smollm2.batched_sample(prompts) == completions_alone(smollm2, prompts)
+
+
+def test_model_benchmark_prints_its_table(tiny_model_dir: Path) -> None:
+    """python -m bench.sampler at tiny scale: it runs and prints one row per batch size."""
+    command = [sys.executable, "-m", "bench.sampler", "--model", str(tiny_model_dir)]
+    command += ["--sizes", "1,3", "--repeats", "1", "--device", "cpu"]
+    output = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    rows = [line.split("|") for line in output.stdout.splitlines() if line.startswith("| ")]
+    assert [row[1].strip() for row in rows[1:]] == ["1", "3"], output.stdout
+    assert rows[2][4].strip().endswith("x")

@@ -1,0 +1,77 @@
+"""End to end with the real default model: gunicorn, a Celery worker with SAMPLER=hf loading
+the packaged SmolLM2 GGUF on CPU, and Redis. The answers must be the ones the same model gives
+in this process, prompt by prompt."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from inference_site.lib.stack import ROOT, Stack
+from tests.support import unique_queue
+from tests.support.http import sample
+from workers.launch import worker_command, worker_environment
+from workers.samplers.hf import HFSampler
+
+pytestmark = pytest.mark.integration
+
+CONTEXT_TOKENS = 8192  # SmolLM2-135M
+
+
+@pytest.fixture(scope="module")
+def model_service(start_stack: Callable[..., Stack]) -> Iterator[Stack]:
+    env = {
+        "SAMPLER": "hf",
+        "SAMPLING_MODEL": "",  # the packaged GGUF
+        "SAMPLING_MAX_NEW_TOKENS": "8",
+        # CPU: a batch takes seconds, not the GPU's 100 ms.
+        "SAMPLING_DEADLINE_MS": "60000",
+        # Let a prompt past the model's context reach the worker, to be rejected there.
+        "SAMPLING_MAX_PROMPT_BYTES": "100000",
+    }
+    stack = start_stack("smollm2", env=env, timeout_s=240)
+    yield stack
+    stack.stop()  # frees its cores and memory for the timing-sensitive tests that follow
+
+
+def test_curl_e_equals_returns_what_smollm2_writes(
+    model_service: Stack, smollm2: HFSampler
+) -> None:
+    reply = sample(model_service.base_url, "E equals ", timeout=60)
+    assert reply.status == 200, reply.body
+    assert reply.body == smollm2.batched_sample(["E equals "])[0]
+    assert reply.body.strip()
+
+
+def test_concurrent_prompts_get_their_own_completions_and_a_too_long_one_a_400(
+    model_service: Stack, smollm2: HFSampler
+) -> None:
+    prompts = ["The capital of France is", "Once upon a time", "word " * (CONTEXT_TOKENS + 10)]
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        replies = list(pool.map(lambda p: sample(model_service.base_url, p, timeout=60), prompts))
+    assert [r.status for r in replies] == [200, 200, 400], [r.body for r in replies]
+    assert [r.body for r in replies[:2]] == smollm2.batched_sample(prompts[:2])
+    assert replies[2].body.startswith("prompt rejected by the model: prompt is ")
+    assert f"at most {CONTEXT_TOKENS - 8} fit" in replies[2].body
+
+
+def test_a_worker_whose_model_cannot_load_exits(redis_url: str, tmp_path: Path) -> None:
+    """Celery swallows a worker_process_init handler's exception; the worker must not go on
+    consuming batches it cannot run."""
+    missing = tmp_path / "no-such-model"
+    base = {**os.environ, "REDIS_URL": redis_url, "SAMPLER": "hf", "SAMPLING_MODEL": str(missing)}
+    env = worker_environment(None, {**base, "SAMPLING_QUEUE": unique_queue("noload")})
+    env["PYTHONPATH"] = str(ROOT)
+    worker = subprocess.run(
+        worker_command(None, env["SAMPLING_QUEUE"]),
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = worker.stdout + worker.stderr
+    assert worker.returncode != 0, output[-2000:]
+    assert "the sampler could not be loaded, exiting" in output
+    assert f"no model at {missing}" in output

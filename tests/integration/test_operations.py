@@ -1,0 +1,324 @@
+"""Operators' view through real processes: the admin's policy reaching running web processes
+and workers, the stats page after traffic (and in headless Chromium), /metrics totals."""
+
+from __future__ import annotations
+
+import html
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from batching.aggregator import BatchAggregator
+from batching.outcomes import RequestOutcome
+from batching.policy import Policy
+from inference_site.lib.stack import Stack
+from operations import dashboard
+from tests.support import ADMIN_PASSWORD, ADMIN_USER
+from tests.support.admin_client import AdminSession
+from tests.support.http import request, sample
+from workers.samplers.simulated import expected_completion
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def ops(start_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    """The simulated farm (1 worker) behind two gunicorn processes, with the Prometheus
+    multiprocess directory known to the test."""
+    metrics_dir = tmp_path_factory.mktemp("prometheus")
+    return start_stack(
+        "ops",
+        env={"SAMPLER": "simulated", "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)},
+        web_processes=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def admin_session(ops: Stack) -> AdminSession:
+    session = AdminSession(ops.base_url)
+    session.login(ADMIN_USER, ADMIN_PASSWORD)
+    return session
+
+
+def aggregator_of(stack: Stack) -> BatchAggregator:
+    return BatchAggregator(
+        redis.Redis.from_url(stack.env["REDIS_URL"]), stack.env["SAMPLING_QUEUE"]
+    )
+
+
+def burst(stack: Stack, count: int, label: str) -> None:
+    """`count` simultaneous requests, each checked against its own expected completion."""
+
+    def one(i: int) -> None:
+        prompt = f"{label} {i}"
+        reply = sample(stack.base_url, prompt)
+        assert (reply.status, reply.body) == (200, expected_completion(prompt))
+
+    with ThreadPoolExecutor(count) as pool:
+        list(pool.map(one, range(count)))
+
+
+def policy_form(queue: str, **changes: str) -> dict[str, str]:
+    fields = {
+        "queue": queue, "max_batch_size": "100", "deadline_ms": "500",
+        "max_prompt_bytes": "8192", "max_new_tokens": "32", "temperature": "0", "top_p": "1",
+        "stop": "", "fill_target_percent": "90",
+    }  # fmt: skip
+    return {**fields, **changes}
+
+
+def scrape(stack: Stack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    reply = request(stack.base_url, "/metrics", method="GET")
+    assert reply.status == 200
+    assert reply.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(reply.body)
+        for s in family.samples
+    }
+
+
+def test_a_bad_policy_is_refused_with_clear_messages(
+    ops: Stack, admin_session: AdminSession
+) -> None:
+    status, _, page = admin_session.post_form(
+        "/admin/sampling/samplingpolicy/add/",
+        policy_form(ops.env["SAMPLING_QUEUE"], max_batch_size="101", top_p="0"),
+    )
+    assert status == 200  # the form again, not a redirect
+    assert "must be at most 100 prompts" in page
+    assert "must be above 0 (1 means no nucleus cut)" in page
+    queue = ops.env["SAMPLING_QUEUE"]
+    _, log_page = admin_session.get(f"/admin/sampling/policychange/?queue={queue}")
+    assert "0 policy changes" in log_page
+
+
+def test_an_admin_change_of_max_batch_size_is_obeyed_within_2_s(
+    ops: Stack, admin_session: AdminSession
+) -> None:
+    aggregator = aggregator_of(ops)
+    burst(ops, 40, "before")
+    before = [json.loads(r) for r in aggregator.recent_batches()]
+    assert max(r["size"] for r in before) > 5  # a burst of 40 fills batches beyond 5
+
+    status, url, _ = admin_session.post_form(
+        "/admin/sampling/samplingpolicy/add/",
+        policy_form(ops.env["SAMPLING_QUEUE"], max_batch_size="5"),
+    )
+    saved = time.monotonic()
+    assert (status, url) == (200, ops.base_url + "/admin/sampling/samplingpolicy/")
+    try:
+        check_max_batch_size_of_5_is_obeyed(ops, admin_session, aggregator, before, saved)
+    finally:  # back to the environment's policy for the other tests of this module
+        page = admin_session.get("/admin/sampling/samplingpolicy/")[1]
+        change_url = re.search(r"/admin/sampling/samplingpolicy/(\d+)/change/", page)
+        assert change_url
+        status, url, _ = admin_session.post_form(
+            f"/admin/sampling/samplingpolicy/{change_url.group(1)}/delete/", {"post": "yes"}
+        )
+        assert (status, url) == (200, ops.base_url + "/admin/sampling/samplingpolicy/")
+        time.sleep(1.5)
+
+
+def check_max_batch_size_of_5_is_obeyed(
+    ops: Stack,
+    admin_session: AdminSession,
+    aggregator: BatchAggregator,
+    before: list[dict[str, object]],
+    saved: float,
+) -> None:
+
+    # The worker: its heartbeat reports the policy it will apply to its next batch.
+    info_key = aggregator.keys.worker_info(f"{ops.env['SAMPLING_QUEUE']}-cpu@{os.uname()[1]}")
+    while time.monotonic() - saved < 3:
+        info = json.loads(aggregator.client.get(info_key) or "{}")
+        if info.get("max_batch_size") == 5:
+            break
+        time.sleep(0.05)
+    assert info.get("max_batch_size") == 5, info
+    worker_seen_s = time.monotonic() - saved
+    # heartbeats are 1 s apart: the worker had it at the latest one heartbeat earlier
+    assert worker_seen_s < 2.0, worker_seen_s
+
+    # The web processes (both take part in a burst): 2 s after the save, every batch closes
+    # at 5. 15 requests: three 100 ms calls of 5 on the one worker fit the 500 ms deadline.
+    time.sleep(max(0.0, 2.0 - (time.monotonic() - saved)))
+    known = {r["batch_id"] for r in before}
+    burst(ops, 15, "after")
+    records = [json.loads(r) for r in aggregator.recent_batches()]
+    after = [r for r in records if r["batch_id"] not in known]
+    assert sum(r["size"] for r in after) == 15
+    assert max(r["size"] for r in after) <= 5, [r["size"] for r in after]
+    assert {r["policy_version"] for r in after} == {1}
+
+    # The change is in the audit log, with who and what.
+    _, log_page = admin_session.get("/admin/sampling/policychange/")
+    assert ADMIN_USER in log_page
+    assert "max_batch_size: 100 → 5" in log_page
+
+
+def test_metrics_totals_across_processes_and_workers(ops: Stack) -> None:
+    before = scrape(ops)
+    aggregator = aggregator_of(ops)
+    known = {json.loads(r)["batch_id"] for r in aggregator.recent_batches()}
+    ok, bad = 60, 7
+    burst(ops, ok, "metrics")
+    for _ in range(bad):
+        assert sample(ops.base_url, b"").status == 400
+    time.sleep(2.5)  # the worker publishes its metrics with each heartbeat (1 s)
+    after = scrape(ops)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("sampling_requests_total", outcome="ok") == ok
+    assert delta("sampling_requests_total", outcome="bad_request") == bad
+    assert delta("sampling_requests_total", outcome="timeout") == 0
+    assert delta("sampling_request_latency_seconds_count") == ok + bad
+    # Both gunicorn processes wrote their own files: the totals above are their sums.
+    files = list(Path(ops.env["PROMETHEUS_MULTIPROC_DIR"]).glob("counter_*.db"))
+    assert len(files) >= 2, files
+
+    new_batches = [
+        json.loads(r) for r in aggregator.recent_batches() if json.loads(r)["batch_id"] not in known
+    ]
+    worker = new_batches[0]["worker"]
+    assert delta("sampling_batch_size_count", worker=worker) == len(new_batches)
+    assert delta("sampling_batch_size_sum", worker=worker) == ok
+    assert delta("sampling_batches_total", worker=worker) == len(new_batches)
+    busy = delta("sampling_worker_busy_seconds_total", worker=worker)
+    assert busy == pytest.approx(sum(b["sampler_ms"] for b in new_batches) / 1000, rel=0.01)
+    assert ("sampling_expired_items_total", (("worker", worker),)) in after
+    assert ("sampling_batch_queue_wait_seconds_count", (("worker", worker),)) in after
+    assert ("sampling_sampler_seconds_count", (("worker", worker),)) in after
+    # and the HTTP layer, from django-prometheus
+    assert delta("django_http_requests_total_by_method_total", method="POST") == ok + bad
+
+
+@pytest.fixture(scope="module")
+def quiet(start_stack: Callable[..., Stack]) -> Stack:
+    """A queue of its own for the stats page: only its test's traffic is in its statistics,
+    whatever ran before it."""
+    return start_stack("stats", env={"SAMPLER": "simulated"})
+
+
+def test_stats_page_shows_the_traffic(quiet: Stack, tmp_path: Path) -> None:
+    session = AdminSession(quiet.base_url)
+    session.login(ADMIN_USER, ADMIN_PASSWORD)
+    first, second = 30, 20
+    burst(quiet, first, "stats")
+    # More traffic in the next 10-second bucket, so that every chart has a line.
+    time.sleep(10.5 - time.time() % 10)
+    burst(quiet, second, "stats2")
+    time.sleep(1.5)  # web processes flush their counters once a second
+    status, page = session.get("/admin/stats/")
+    assert status == 200
+    # The index links to it.
+    assert 'href="/admin/stats/"' in session.get("/admin/")[1]
+
+    # The statistics hold exactly this test's completions, and the page shows what the
+    # dashboard computes from them (nothing has left the last minute since: the queue is new).
+    queue = quiet.env["SAMPLING_QUEUE"]
+    board = dashboard.build(redis.Redis.from_url(quiet.env["REDIS_URL"]), queue, Policy())
+    assert board.recent.requests(RequestOutcome.OK) == first + second
+    headline = dict(board.headline)
+    shown = page.split("completions/s (ok)</small><b>")[1].split("<")[0]
+    assert shown == headline["completions/s (ok)"]
+    assert f"{queue}-cpu@" in page  # the worker's row
+    assert "simulated" in page
+    for series in ("ok", "fill", "p99", "busy"):
+        assert f'class="series" data-series="{series}"' in page, series
+
+    # The recommendation: the fewest GPUs for the last minute's rate, by hand.
+    advice = board.recommendation
+    by_hand = math.ceil(
+        advice.rate_rps * advice.sampler_ms / 1000
+        / (advice.max_batch_size * advice.fill_target_percent / 100)
+    )  # fmt: skip
+    assert advice.needed_gpus == max(1, by_hand)
+    assert html.escape(advice.message) in page
+    assert f'class="advice {advice.verdict}"' in page
+
+    screenshot = render_in_chromium(page, quiet.base_url, tmp_path)
+    check_charts_are_drawn(screenshot, page)
+
+
+def render_in_chromium(page: str, base_url: str, folder: Path) -> Path:
+    """Screenshot the stats page in headless Chromium (Debian's package). The page is saved
+    with a <base> pointing at the live server for its CSS; the charts are inline SVG."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        if os.environ.get("REQUIRE_BROWSER"):
+            pytest.fail("REQUIRE_BROWSER is set but chromium is not installed")
+        pytest.skip("chromium not installed (apt-get install chromium): charts not rendered")
+    html = folder / "stats.html"
+    html.write_text(page.replace("<head>", f'<head><base href="{base_url}/">', 1))
+    screenshot = folder / "stats.png"
+    subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", f"--user-data-dir={folder / 'chromium'}", "--hide-scrollbars",
+         "--window-size=1400,2200", f"--screenshot={screenshot}", html.as_uri()],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    keep = os.environ.get("STATS_SCREENSHOT")  # to look at it: STATS_SCREENSHOT=/tmp/s.png
+    if keep:
+        shutil.copy(screenshot, keep)
+    return screenshot
+
+
+def drawn_length(page: str, series: str) -> float:
+    """The length in pixels of a series' line on the page (every chart, every run)."""
+    total = 0.0
+    for path in re.findall(rf'data-series="{series}" d="([^"]+)"', page):
+        for run in path.split("M")[1:]:
+            points = [tuple(map(float, p.split())) for p in run.split("L")]
+            total += sum(math.dist(a, b) for a, b in itertools.pairwise(points))
+    return total
+
+
+def reference_length(page: str) -> float:
+    lines = re.findall(r'class="reference" x1="([\d.]+)" y1="[\d.]+" x2="([\d.]+)"', page)
+    return sum(float(x2) - float(x1) for x1, x2 in lines)
+
+
+def check_charts_are_drawn(screenshot: Path, page: str) -> None:
+    from PIL import Image
+
+    from operations.charts import PALETTE
+
+    image = Image.open(screenshot).convert("RGB")
+    counts: dict[tuple[int, int, int], int] = {}
+    for color, count in ((c, n) for n, c in image.getcolors(maxcolors=1 << 20) or []):
+        counts[color] = count
+
+    def pixels(hex_color: str) -> int:
+        target = tuple(int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
+        near = (c for c in counts if all(abs(a - b) <= 12 for a, b in zip(c, target, strict=True)))
+        return sum(counts[c] for c in near)
+
+    # Each line is on screen for at least 40% of its length (2 px wide, of which the
+    # anti-aliased edges do not count), the dashed deadline line (6 on, 4 off) likewise.
+    # The legend swatches alone are 14 x 3 px each.
+    expected = {
+        "green": drawn_length(page, "ok"),
+        "blue": drawn_length(page, "fill"),
+        "teal": drawn_length(page, "busy"),
+        "red": reference_length(page) * 0.6,
+    }
+    for color, length in expected.items():
+        assert length > 50, (color, length)  # a line, not a dot
+        assert pixels(PALETTE[color]) >= 0.4 * length, (color, pixels(PALETTE[color]), length)

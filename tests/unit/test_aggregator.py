@@ -1,0 +1,215 @@
+"""The aggregator's Lua logic against a real Redis server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from batching import admission
+from batching.aggregator import DISPATCH_GRACE_MS, BatchAggregator
+from tests.support import unique_queue
+
+
+@pytest.fixture
+def aggregator(redis_client: redis.Redis) -> BatchAggregator:
+    return BatchAggregator(redis_client, unique_queue("agg"), max_batch_size=100, deadline_ms=500)
+
+
+def test_first_append_opens_and_later_ones_join(aggregator: BatchAggregator) -> None:
+    first = aggregator.append("p0", 500)
+    second = aggregator.append("p1", 500)
+    assert first.opened
+    assert not second.opened
+    assert first.batch_id == second.batch_id
+    assert (first.index, second.index) == (0, 1)
+    sealed = aggregator.seal(first.batch_id)
+    assert [i.prompt for i in sealed.items] == ["p0", "p1"]
+    assert sealed.items[0].deadline_ms - sealed.now_ms <= 500
+    assert sealed.opened_at_ms <= sealed.now_ms
+    assert not sealed.sealed_before
+
+
+def test_an_item_holds_its_deadline_and_prompt_only(aggregator: BatchAggregator) -> None:
+    """Nothing per request is stored that no one reads (a request id was, once)."""
+    ticket = aggregator.append("a prompt", 500)
+    (raw,) = aggregator.client.lrange(aggregator.keys.batch(ticket.batch_id), 0, -1)
+    deadline, prompt = raw.split(b" ", 1)
+    assert prompt == b"a prompt"
+    assert int(deadline) == aggregator.seal(ticket.batch_id).items[0].deadline_ms
+
+
+def test_full_batch_closes_in_the_same_call(redis_client: redis.Redis) -> None:
+    aggregator = BatchAggregator(redis_client, unique_queue("full"), max_batch_size=3)
+    tickets = [aggregator.append(f"p{i}", 500) for i in range(7)]
+    assert [t.opened for t in tickets] == [True, False, False, True, False, False, True]
+    assert [t.index for t in tickets] == [0, 1, 2, 0, 1, 2, 0]
+    assert len({t.batch_id for t in tickets}) == 3
+    assert len(aggregator.seal(tickets[0].batch_id).items) == 3
+
+
+def test_prompts_with_spaces_newlines_and_unicode_survive(aggregator: BatchAggregator) -> None:
+    prompt = "  two  spaces\nnew line 大 \x00 end "
+    ticket = aggregator.append(prompt, 500)
+    assert aggregator.seal(ticket.batch_id).items[0].prompt == prompt
+
+
+def test_seal_takes_everything_so_far_and_later_appends_open_a_new_batch(
+    aggregator: BatchAggregator,
+) -> None:
+    a = aggregator.append("a", 500)
+    aggregator.append("b", 500)
+    assert len(aggregator.seal(a.batch_id).items) == 2
+    c = aggregator.append("c", 500)
+    assert c.opened
+    assert c.batch_id != a.batch_id
+    again = aggregator.seal(a.batch_id)  # sealing twice finds nothing more
+    assert again.items == []
+    assert again.sealed_before
+
+
+def test_batch_data_expires_on_its_own(aggregator: BatchAggregator) -> None:
+    ticket = aggregator.append("p", 500)
+    batch_ttl = aggregator.client.pttl(aggregator.keys.batch(ticket.batch_id))
+    open_ttl = aggregator.client.pttl(aggregator.keys.open_batch)
+    assert 0 < batch_ttl <= aggregator.ttl_ms
+    assert 0 < open_ttl <= aggregator.ttl_ms
+    assert aggregator.ttl_ms <= 10 * aggregator.deadline_ms
+
+
+def test_concurrent_appends_never_lose_or_duplicate(redis_url: str) -> None:
+    """8 threads append 1,500 items while a sealer seals whatever batch is open."""
+    queue = unique_queue("race")
+    total_per_thread = 200
+    threads = 8
+    tickets: list[tuple[str, int, str]] = []
+    lock = threading.Lock()
+    appending = threading.Event()
+    appending.set()
+
+    def producer(n: int) -> None:
+        aggregator = BatchAggregator(redis.Redis.from_url(redis_url), queue, max_batch_size=37)
+        for i in range(total_per_thread):
+            request_id = f"{n}-{i}"
+            ticket = aggregator.append(request_id, 5000)
+            with lock:
+                tickets.append((ticket.batch_id, ticket.index, request_id))
+
+    sealed: dict[str, list[str]] = {}
+
+    def sealer() -> None:
+        aggregator = BatchAggregator(redis.Redis.from_url(redis_url), queue, max_batch_size=37)
+        while appending.is_set():
+            batch_id = aggregator.client.get(aggregator.keys.open_batch)
+            if batch_id:
+                items = aggregator.seal(batch_id.decode()).items
+                sealed.setdefault(batch_id.decode(), []).extend(i.prompt for i in items)
+
+    sealing = threading.Thread(target=sealer)
+    sealing.start()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(producer, range(threads)))
+    appending.clear()
+    sealing.join()
+    # Seal what is left (batches closed by size and never sealed by the sealer thread).
+    aggregator = BatchAggregator(redis.Redis.from_url(redis_url), queue, max_batch_size=37)
+    for batch_id in {t[0] for t in tickets} - set(sealed):
+        sealed[batch_id] = [i.prompt for i in aggregator.seal(batch_id).items]
+
+    assert len(tickets) == threads * total_per_thread
+    everything = [rid for items in sealed.values() for rid in items]
+    assert sorted(everything) == sorted(t[2] for t in tickets)  # nothing lost, nothing twice
+    for batch_id, index, request_id in tickets:  # each ticket points at its own item
+        assert sealed[batch_id][index] == request_id
+    assert max(len(items) for items in sealed.values()) <= 37
+    assert any(0 < len(items) < 37 for items in sealed.values())  # the sealer did race
+
+
+def test_admission_refuses_only_a_backlog_that_cannot_meet_the_deadline(
+    aggregator: BatchAggregator,
+) -> None:
+    # No live worker: always accepted (the request waits for its deadline).
+    assert not aggregator.append("p", 10).rejected
+    aggregator.heartbeat("w1")
+    aggregator.publish_turn_ms(100)
+    # One batch open, none ahead of it: accepted even with a budget below one call.
+    assert not aggregator.append("p", 50).rejected
+    # Close the open batch by filling it, so batches pile up behind the single worker.
+    backlog = BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=1)
+    for _ in range(4):
+        assert not backlog.append("p", 500).rejected
+    # 4 batches unsealed, 1 worker: the next batch would wait for them and for the call
+    # that may have just started, then take its own: about 600 ms in the worst case.
+    refused = backlog.append("p", 500)
+    assert refused.rejected
+    assert refused.predicted_ms == admission.predicted_ms(4, 1, 100)
+    assert not backlog.append("p", refused.predicted_ms).rejected  # a patient one
+    # Two workers halve the prediction.
+    aggregator.heartbeat("w2")
+    assert not backlog.append("p", 500).rejected
+
+
+def test_heartbeats_count_live_workers(aggregator: BatchAggregator) -> None:
+    assert aggregator.live_workers() == 0
+    assert aggregator.heartbeat("gpu0") == 1
+    assert aggregator.heartbeat("gpu1") == 2
+    assert aggregator.heartbeat("gpu0") == 2
+    aggregator.forget_worker("gpu0")
+    assert aggregator.live_workers() == 1
+
+
+def test_max_batch_size_is_bounded(redis_client: redis.Redis) -> None:
+    for bad in (0, 101):
+        with pytest.raises(ValueError, match="max_batch_size must be"):
+            BatchAggregator(redis_client, "q", max_batch_size=bad)
+
+
+def test_ticket_batch_ids_are_unique_across_queues(redis_client: redis.Redis) -> None:
+    a = BatchAggregator(redis_client, unique_queue("a")).append("p", 500)
+    b = BatchAggregator(redis_client, unique_queue("b")).append("p", 500)
+    assert a.opened
+    assert b.opened
+    assert a.batch_id != b.batch_id
+
+
+def test_a_batch_whose_send_is_not_confirmed_is_handed_over_once(
+    aggregator: BatchAggregator,
+) -> None:
+    """The opener died between its append and its Celery send: after DISPATCH_GRACE_MS the
+    next request is told to send the batch's task, and only that one."""
+    orphan = aggregator.append("joined a batch no task will seal", 500)
+    assert orphan.opened
+    assert orphan.handover == ""
+    assert aggregator.append("too soon to tell", 500).handover == ""
+    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
+    taker = aggregator.append("after the grace", 500)
+    assert taker.handover == orphan.batch_id
+    assert aggregator.append("another one", 500).handover == ""  # re-armed for the taker
+    aggregator.dispatched(orphan.batch_id)  # the taker's send went through
+    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
+    assert aggregator.append("later", 500).handover == ""
+
+
+def test_a_confirmed_or_sealed_batch_is_never_handed_over(aggregator: BatchAggregator) -> None:
+    confirmed = aggregator.append("p", 500)
+    aggregator.dispatched(confirmed.batch_id)
+    aggregator.seal(confirmed.batch_id)
+    unconfirmed = aggregator.append("p", 500)  # sealed by a worker before any confirmation
+    aggregator.seal(unconfirmed.batch_id)
+    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
+    assert aggregator.append("p", 500).handover == ""
+
+
+def test_an_abandoned_batch_takes_no_more_members(aggregator: BatchAggregator) -> None:
+    first = aggregator.append("p0", 500)
+    aggregator.append("p1", 500)
+    assert aggregator.abandon(first.batch_id) == 2
+    after = aggregator.append("p2", 500)
+    assert after.opened
+    assert after.batch_id != first.batch_id
+    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
+    # Only the batch still waiting for its send is handed over; the abandoned one is no one's.
+    assert aggregator.append("p3", 500).handover == after.batch_id

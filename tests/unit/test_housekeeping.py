@@ -1,0 +1,95 @@
+"""Policy rows, their audit log and publishing, and the per-minute statistics rows: Django's
+test database and a real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import redis
+from django.utils import timezone
+
+from batching import stats
+from batching.keys import QueueKeys
+from batching.outcomes import RequestOutcome
+from batching.policy import Policy
+from operations import housekeeping
+from operations.models import PolicyChange, SamplingPolicy, StatsMinute, default_policy
+from sampling import runtime
+from tests.support import unique_queue
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def live_redis(settings: object, redis_url: str) -> Iterator[redis.Redis]:
+    settings.REDIS_URL = redis_url  # type: ignore[attr-defined]
+    runtime._clients.clear()
+    yield runtime.redis_client()
+    runtime._clients.clear()
+
+
+def test_a_saved_policy_is_audited_and_published(
+    live_redis: redis.Redis, django_capture_on_commit_callbacks: object
+) -> None:
+    queue = unique_queue("adm")
+    with django_capture_on_commit_callbacks(execute=True):  # type: ignore[operator]
+        row = SamplingPolicy(queue=queue, max_batch_size=5)
+        row.save(changed_by="alice")
+    assert Policy.from_json(live_redis.get(QueueKeys(queue).policy)) == row.as_policy()
+    assert row.version == 1
+
+    with django_capture_on_commit_callbacks(execute=True):  # type: ignore[operator]
+        row.deadline_ms = 250
+        row.save(changed_by="bob")
+    published = Policy.from_json(live_redis.get(QueueKeys(queue).policy))
+    assert (published.version, published.deadline_ms, published.max_batch_size) == (2, 250, 5)
+
+    with django_capture_on_commit_callbacks(execute=True):  # type: ignore[operator]
+        row.delete(changed_by="carol")
+    assert live_redis.get(QueueKeys(queue).policy) is None  # back to the environment's settings
+
+    changes = list(PolicyChange.objects.filter(queue=queue).order_by("version"))
+    assert [(c.version, c.action, c.changed_by) for c in changes] == [
+        (1, "created", "alice"), (2, "changed", "bob"), (3, "deleted", "carol"),
+    ]  # fmt: skip
+    defaults = default_policy()
+    assert changes[0].differences() == {"max_batch_size": (defaults.max_batch_size, 5)}
+    assert changes[1].summary() == f"deadline_ms: {defaults.deadline_ms!r} → 250"
+    assert changes[2].new["max_batch_size"] == defaults.max_batch_size
+
+
+def test_housekeeping_republishes_what_redis_lost(live_redis: redis.Redis) -> None:
+    queue = unique_queue("adm")
+    row = SamplingPolicy(queue=queue, max_batch_size=9)
+    row.save(changed_by="alice")  # no on_commit here: as if Redis had been down
+    assert live_redis.get(QueueKeys(queue).policy) is None
+    housekeeping.reconcile_policy(live_redis, queue, default_policy())
+    assert Policy.from_json(live_redis.get(QueueKeys(queue).policy)).max_batch_size == 9
+
+
+def test_minutes_are_persisted_once_and_pruned(live_redis: redis.Redis, settings: object) -> None:
+    queue = unique_queue("adm")
+    now = 1_800_000_000.0 - 1_800_000_000 % 60 + 30  # half a minute into a minute
+    minute = int(now) // 60 * 60
+    with live_redis.pipeline() as pipe:
+        # two and three minutes ago (both complete), and one now (not complete yet)
+        stats.add_counts(pipe, queue, minute - 120 + 5, {"req:ok": 3, "batches": 1, "items": 3})
+        stats.add_counts(pipe, queue, minute - 120 + 45, {"req:ok": 2})
+        stats.add_counts(pipe, queue, minute - 180 + 1, {"req:timeout": 1})
+        stats.add_counts(pipe, queue, now, {"req:ok": 100})
+        pipe.execute()
+    assert housekeeping.persist_minutes(live_redis, queue, now) == 2
+    rows = {r.minute: r.summary for r in StatsMinute.objects.filter(queue=queue)}
+    two_ago = datetime.fromtimestamp(minute - 120, tz=UTC)
+    assert rows[two_ago].requests() == 5
+    assert rows[two_ago].batches == 1
+    assert rows[datetime.fromtimestamp(minute - 180, tz=UTC)].requests(RequestOutcome.TIMEOUT) == 1
+    assert housekeeping.persist_minutes(live_redis, queue, now) == 0  # nothing twice
+
+    StatsMinute.objects.create(
+        queue=queue, minute=timezone.now() - timedelta(days=31), counts={"req:ok": 1}
+    )
+    assert housekeeping.prune(queue, retention_days=30) == 1  # the 31-day-old row only
+    assert StatsMinute.objects.filter(queue=queue).count() == 2

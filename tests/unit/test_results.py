@@ -1,0 +1,119 @@
+"""The shared result listener behind `app.AsyncResult(id).get(timeout=...)`, on a real Redis.
+
+The test plays the worker's part by storing results with the same backend class, which
+writes the key and publishes on its channel exactly as a worker does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from celery import Celery, states
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+from batching.results import SharedListenerRedisBackend, listener_for
+
+
+@pytest.fixture
+def app(redis_url: str) -> Celery:
+    app = Celery("results-test", set_as_current=False)
+    app.conf.update(
+        result_backend=f"batching.results:SharedListenerRedisBackend+{redis_url}",
+        broker_url=redis_url,
+    )
+    return app
+
+
+def backend_of(app: Celery) -> SharedListenerRedisBackend:
+    backend = app.backend
+    assert isinstance(backend, SharedListenerRedisBackend)
+    return backend
+
+
+def store(app: Celery, task_id: str, value: object, state: str = states.SUCCESS) -> None:
+    app.backend.store_result(task_id, value, state)
+
+
+def test_backend_is_the_shared_one_per_process(app: Celery) -> None:
+    seen: list[object] = []
+    threads = [threading.Thread(target=lambda: seen.append(app.backend)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert isinstance(app.backend, SharedListenerRedisBackend)
+    assert all(backend is app.backend for backend in seen)
+
+
+def test_every_local_waiter_of_a_batch_is_woken(app: Celery) -> None:
+    task_id = uuid.uuid4().hex
+    waiters = 100
+
+    def wait(index: int) -> tuple[object, float]:
+        result = app.AsyncResult(task_id).get(timeout=5)
+        return result[index], time.monotonic()
+
+    with ThreadPoolExecutor(waiters) as pool:
+        futures = [pool.submit(wait, i) for i in range(waiters)]
+        deadline = time.monotonic() + 5
+        listener = backend_of(app).listener
+        while listener.pending_count() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # let every waiter register
+        published = time.monotonic()
+        store(app, task_id, [f"answer {i}" for i in range(waiters)])
+        outcomes = [f.result() for f in futures]
+    assert [value for value, _ in outcomes] == [f"answer {i}" for i in range(waiters)]
+    slowest = max(woken for _, woken in outcomes) - published
+    assert slowest < 0.5, slowest
+    assert backend_of(app).listener.pending_count() == 0  # everyone unregistered
+
+
+def test_result_stored_before_the_wait_is_found(app: Celery) -> None:
+    task_id = uuid.uuid4().hex
+    store(app, task_id, ["early"])
+    started = time.monotonic()
+    assert app.AsyncResult(task_id).get(timeout=2) == ["early"]
+    assert time.monotonic() - started < 0.5
+
+
+def test_timeout_fires_at_the_deadline(app: Celery) -> None:
+    errors = []
+    for timeout in (0.05, 0.2, 0.5):
+        started = time.monotonic()
+        with pytest.raises(CeleryTimeoutError):
+            app.AsyncResult(uuid.uuid4().hex).get(timeout=timeout)
+        errors.append(time.monotonic() - started - timeout)
+    assert all(0 <= error < 0.02 for error in errors), errors
+
+
+def test_failure_state_propagates_as_an_exception(app: Celery) -> None:
+    task_id = uuid.uuid4().hex
+    store(app, task_id, RuntimeError("sampler exploded"), states.FAILURE)
+    with pytest.raises(RuntimeError, match="sampler exploded"):
+        app.AsyncResult(task_id).get(timeout=2)
+
+
+def test_listener_survives_a_dropped_connection(app: Celery, redis_url: str) -> None:
+    listener = listener_for(redis_url, backend_of(app))
+    task_id = uuid.uuid4().hex
+    # Make sure the listener is connected, then kill its connection from the server side.
+    store(app, "warm-" + task_id, [1])
+    assert app.AsyncResult("warm-" + task_id).get(timeout=2) == [1]
+    client = listener.client
+    killed = 0
+    for entry in client.client_list():
+        if entry.get("cmd") in ("subscribe", "unsubscribe", "ping"):
+            killed += client.client_kill_filter(_id=entry["id"])
+    assert killed >= 1
+    result: list[object] = []
+    waiter = threading.Thread(target=lambda: result.append(app.AsyncResult(task_id).get(timeout=5)))
+    waiter.start()
+    time.sleep(0.5)  # the listener reconnects and subscribes the pending id again
+    store(app, task_id, ["after reconnect"])
+    waiter.join(timeout=6)
+    assert result == [["after reconnect"]]
