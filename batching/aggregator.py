@@ -191,7 +191,14 @@ class BatchAggregator:
     ) -> None:
         self.client = client
         self.queue = queue
-        self.keys = QueueKeys(queue)
+        self.keys = keys = QueueKeys(queue)
+        self._append_keys = [
+            keys.open_batch,
+            keys.unsealed,
+            keys.live_workers,
+            keys.turn_ms,
+            keys.undispatched,
+        ]
         self.configure(max_batch_size=max_batch_size, deadline_ms=deadline_ms)
         self._append = client.register_script(APPEND_LUA)
         self._seal = client.register_script(SEAL_LUA)
@@ -211,15 +218,8 @@ class BatchAggregator:
             self.client.script_load(script.script)
 
     def append(self, prompt: str, budget_ms: int) -> Ticket:
-        keys = self.keys
         bid, index, opened, predicted, handover = self._append(
-            keys=[
-                keys.open_batch,
-                keys.unsealed,
-                keys.live_workers,
-                keys.turn_ms,
-                keys.undispatched,
-            ],
+            keys=self._append_keys,
             args=[
                 uuid.uuid4().hex,
                 prompt,
@@ -227,7 +227,7 @@ class BatchAggregator:
                 self.max_batch_size,
                 self.ttl_ms,
                 HEARTBEAT_TIMEOUT_MS,
-                keys.batch_prefix,
+                self.keys.batch_prefix,
                 self.deadline_ms,
                 DISPATCH_GRACE_MS,
             ],

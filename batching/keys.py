@@ -7,34 +7,38 @@ Redis cluster. Nothing else in the project spells a `sampling:{queue}:...` key.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
 class QueueKeys:
+    """The keys of one queue; each built once per instance (the request path reads some on
+    every request)."""
+
     queue: str
 
-    @property
+    @cached_property
     def tag(self) -> str:
         return f"sampling:{{{self.queue}}}"
 
     # --- the aggregator (batching.aggregator) --------------------------------------------
-    @property
+    @cached_property
     def open_batch(self) -> str:
         """The id of the batch new requests join (absent: the next request opens one)."""
         return f"{self.tag}:open"
 
-    @property
+    @cached_property
     def unsealed(self) -> str:
         """A zset of batches not sealed yet, scored by their opening time (ms)."""
         return f"{self.tag}:unsealed"
 
-    @property
+    @cached_property
     def undispatched(self) -> str:
         """A zset of opened batches whose Celery task is not known to be sent yet, scored by
         the time (ms) their dispatch started: a later request hands over those left too long."""
         return f"{self.tag}:undispatched"
 
-    @property
+    @cached_property
     def batch_prefix(self) -> str:
         return f"{self.tag}:batch:"
 
@@ -42,17 +46,17 @@ class QueueKeys:
         """The list of a batch's items, one "deadline_ms prompt" string each."""
         return self.batch_prefix + batch_id
 
-    @property
+    @cached_property
     def live_workers(self) -> str:
         """A zset of worker names scored by their last heartbeat (Redis time, ms)."""
         return f"{self.tag}:workers"
 
-    @property
+    @cached_property
     def turn_ms(self) -> str:
         """The workers' running estimate of one batch's turn on a GPU, for admission."""
         return f"{self.tag}:sampler_ms"
 
-    @property
+    @cached_property
     def batch_log(self) -> str:
         """The last batch records (JSON), newest first."""
         return f"{self.tag}:batches"
@@ -62,7 +66,7 @@ class QueueKeys:
         """A worker's row of the stats page (JSON), written with its heartbeat."""
         return f"{self.tag}:worker:{worker}"
 
-    @property
+    @cached_property
     def known_workers(self) -> str:
         """A zset of worker names scored by their last heartbeat (epoch seconds)."""
         return f"{self.tag}:known-workers"
@@ -72,18 +76,18 @@ class QueueKeys:
         return f"{self.tag}:metrics:{worker}"
 
     # --- policy and statistics -------------------------------------------------------------
-    @property
+    @cached_property
     def policy(self) -> str:
         return f"{self.tag}:policy"
 
     def stats_bucket(self, granularity_s: int, start_s: int) -> str:
         return f"{self.tag}:stats:{granularity_s}:{start_s}"
 
-    @property
+    @cached_property
     def persisted_minute(self) -> str:
         """The last minute of statistics written to the database."""
         return f"{self.tag}:stats:persisted-minute"
 
-    @property
+    @cached_property
     def housekeeping_lock(self) -> str:
         return f"{self.tag}:housekeeping"

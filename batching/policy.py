@@ -229,7 +229,7 @@ class PolicyWatcher:
         for listener in self._listeners:
             try:
                 listener(policy)
-            except Exception:
+            except Exception:  # one failing listener must not keep the policy from the others
                 log.exception("a policy listener failed")
         previous, self.current = self.current, policy
         log.info(

@@ -21,6 +21,7 @@ from django.db import models, transaction
 from django.db.models import Max
 
 from batching import policy as live_policy
+from batching.policy import MAX_BATCH_SIZE
 from batching.stats import Summary
 from sampling.runtime import redis_client
 
@@ -69,7 +70,7 @@ class SamplingPolicy(models.Model):
     max_batch_size = models.PositiveSmallIntegerField(
         default=_default("max_batch_size"),
         validators=_bounded("max_batch_size", "prompts"),
-        help_text="A batch closes when it holds this many prompts (1 to 100).",
+        help_text=f"A batch closes when it holds this many prompts (1 to {MAX_BATCH_SIZE}).",
     )
     deadline_ms = models.PositiveIntegerField(
         "deadline (ms)",
@@ -180,7 +181,7 @@ def _publish(queue: str, policy: live_policy.Policy) -> None:
         live_policy.publish(redis_client(), queue, policy)
     except redis.RedisError as exc:
         # Saved all the same: the web processes' housekeeping republishes the database's
-        # policy within HOUSEKEEPING_INTERVAL_S once Redis answers.
+        # policy within BACKGROUND_JOB_INTERVAL_S (sampling.runtime) once Redis answers.
         log.error("policy of %s saved but not yet published: %s", queue, exc)
 
 
@@ -232,7 +233,7 @@ class PolicyChange(models.Model):
 
 
 class StatsMinute(models.Model):
-    """One minute of one queue's counters (sampling/stats.py), for history; rows are deleted
+    """One minute of one queue's counters (batching/stats.py), for history; rows are deleted
     after SAMPLING_STATS_RETENTION_DAYS."""
 
     queue = models.CharField(max_length=64)

@@ -75,6 +75,7 @@ class WebProcess:
         threading.Thread(target=self._background, name="stats-flush", daemon=True).start()
 
     def _background(self) -> None:
+        # Jitter, not a secret: the processes of a node spread their jobs over the interval.
         next_jobs = time.monotonic() + BACKGROUND_JOB_INTERVAL_S * random.random()  # noqa: S311
         while True:
             time.sleep(STATS_FLUSH_INTERVAL_S)

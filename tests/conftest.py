@@ -103,7 +103,7 @@ def start_stack(
         started.append(stack)
         try:
             stack.start(timeout_s=timeout_s)
-        except Exception:
+        except Exception:  # any failure to start: stop what did start, show the logs, re-raise
             stack.stop()
             for log in sorted(log_dir.glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text()[-4000:]}")

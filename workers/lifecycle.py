@@ -75,7 +75,7 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
         sampler = load_sampler()
         _runner = BatchRunner(aggregator, sampler, worker, policy=lambda: watcher.current)
         _runner.warm_up()
-    except Exception as exc:
+    except Exception as exc:  # whatever failed, the worker is useless without its sampler
         # Celery logs and swallows a signal handler's exception: the worker would go on
         # consuming batches it cannot run, failing them. Leave instead (SystemExit is not an
         # Exception, so it stops the worker's start).

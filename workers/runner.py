@@ -145,7 +145,7 @@ class BatchRunner:
                     results[index] = [ItemOutcome.PROMPT_REJECTED, reason]
                 else:
                     results[index] = [ItemOutcome.OK, str(completion)]
-        except Exception as exc:
+        except Exception as exc:  # any sampler failure fails this call's items, not the worker
             log.exception("sampler %s failed on batch %s", self.sampler.name, batch_id)
             reason = f"sampler failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
             for index in indexes:
@@ -197,5 +197,5 @@ class BatchRunner:
                 ),
                 time.time(),
             )
-        except Exception:
+        except Exception:  # a lost record must never lose the batch's answers
             log.exception("could not record batch %s", batch_id)
