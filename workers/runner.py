@@ -12,6 +12,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import asdict
 
 from batching import stats
 from batching.aggregator import BatchAggregator, Item, SealedBatch
@@ -47,10 +48,7 @@ class BatchRunner:
             lambda: Policy(
                 max_batch_size=aggregator.max_batch_size,
                 deadline_ms=aggregator.deadline_ms,
-                max_new_tokens=sampler.generation.max_new_tokens,
-                temperature=sampler.generation.temperature,
-                top_p=sampler.generation.top_p,
-                stop=sampler.generation.stop,
+                **asdict(sampler.generation),
             )
         )
         self.metrics = metrics or WorkerMetrics(worker)
