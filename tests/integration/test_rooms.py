@@ -3,6 +3,7 @@ the core, never the GPU workers' runtime or a model library."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,7 +28,10 @@ def test_a_web_process_serving_sample_never_imports_the_workers(
     )
     reply = sample(stack.base_url, "E equals ")
     assert (reply.status, reply.body) == (200, expected_completion("E equals "))
-    dumps = list(tmp_path.glob("*.txt"))
+    # The hook runs after the answer is sent: give it a moment.
+    give_up = time.monotonic() + 5
+    while not (dumps := list(tmp_path.glob("*.txt"))) and time.monotonic() < give_up:
+        time.sleep(0.05)
     assert dumps, "the gunicorn hook wrote no module list"
     modules = set(dumps[0].read_text().split())
     # The list is the process's: it holds the request path that just answered.

@@ -22,5 +22,9 @@ globals().update(
 
 
 def post_request(worker: Any, req: Any, environ: Any, resp: Any) -> None:
-    dump = Path(os.environ["MODULES_DUMP_DIR"]) / f"{os.getpid()}.txt"
-    dump.write_text("\n".join(sorted(sys.modules)))
+    # The hook runs after the client has its answer: write aside, then rename, so that a
+    # reader never sees a half-written list.
+    folder = Path(os.environ["MODULES_DUMP_DIR"])
+    partial = folder / f"{os.getpid()}.partial"
+    partial.write_text("\n".join(sorted(sys.modules)))
+    partial.replace(folder / f"{os.getpid()}.txt")
