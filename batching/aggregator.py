@@ -7,11 +7,15 @@ that fills the batch closes it. The worker seals the batch (SEAL) when it starts
 i.e. when a GPU is free, and takes every item appended so far: while the GPUs are busy new
 requests pile into the open batch, so the batch size follows the load with no timer.
 
-A batch whose task was never sent cannot be sealed, so every opened batch is "undispatched"
-until its dispatcher confirms the send (`dispatched`). If the send fails, the dispatcher
-closes the batch (`abandon`) and answers its members at once. If the dispatcher dies between
-the two, the next request after DISPATCH_GRACE_MS is told to hand the batch over: to send its
-task again (a duplicate task finds the batch sealed and answers nothing).
+A batch whose task was never sent cannot be sealed, so every opened batch is due for a
+hand-over DISPATCH_GRACE_MS after it opened, until its dispatcher confirms the send
+(`dispatched`). If the send fails, the dispatcher closes the batch (`abandon`) and answers its
+members at once. If the dispatcher dies between the two, the next request after the due time
+is told to hand the batch over: to send its task again (a duplicate task finds the batch
+sealed and answers nothing). A worker that receives a batch's task while its GPU is still
+busy (workers.pipeline takes the next task before the running call ends) marks the batch held
+(`hold`), due for a hand-over a grace after the worker expects to seal it: a worker killed
+before the seal loses only the batch it was running, not the one it held.
 
 All keys of a queue come from QueueKeys and share the hash tag {queue}, so the scripts stay
 on one slot of a Redis cluster. Times are Redis server time (TIME), so web and GPU nodes need
@@ -33,8 +37,11 @@ from batching.admission import ADMISSION_LUA
 from batching.keys import QueueKeys
 from batching.policy import MAX_BATCH_SIZE, Policy
 
-# A dispatcher confirms its send within this long, or its batch is handed over.
+# A dispatcher confirms its send within this long, or its batch is handed over; a worker
+# seals a batch it holds within this long after it expected to, or the batch is handed over.
 DISPATCH_GRACE_MS = 100
+# The hand-over member of a batch that a worker holds (see `hold`), after the batch's id.
+HELD_SUFFIX = ":held"
 # A worker that has not heartbeated for this long is not counted (admission, /readyz).
 HEARTBEAT_TIMEOUT_MS = 5000
 # The last batch records kept for operators, tests and the benchmark.
@@ -45,8 +52,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: open pointer, unsealed batches (zset), live workers (zset), turn ms, undispatched
-#       batches (zset)
+# KEYS: open pointer, unsealed batches (zset), live workers (zset), turn ms, hand-over due
+#       (zset)
 # ARGV: candidate batch id, prompt, budget ms, max size, ttl ms, heartbeat timeout ms,
 #       batch key prefix, admission window ms, dispatch grace ms
 # Returns {batch id, index, opened, predicted ms, batch to hand over}: batch id '' and index
@@ -58,16 +65,24 @@ APPEND_LUA = (
 local budget = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[5])
 
--- A batch whose dispatcher has not confirmed its send in time: this caller sends it again.
--- Re-armed, so that one caller at a time takes it over.
+-- A batch due for a hand-over (its send not confirmed in time, or held by a worker that has
+-- not sealed it in time): this caller sends its task again. Re-armed, so that one caller at
+-- a time takes it over.
 local handover = ''
-local stale = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now - tonumber(ARGV[9]), 'LIMIT', 0, 1)
-if stale[1] then
-  if redis.call('EXISTS', ARGV[7] .. stale[1]) == 1 then
-    handover = stale[1]
-    redis.call('ZADD', KEYS[5], now, handover)
+local due = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now, 'LIMIT', 0, 1)
+if due[1] then
+  local due_bid = string.match(due[1], '^[^:]+')
+  if redis.call('EXISTS', ARGV[7] .. due_bid) == 1 then
+    handover = due_bid
+    if due_bid == due[1] then
+      redis.call('ZADD', KEYS[5], now + tonumber(ARGV[9]), due[1])
+    else
+      -- Held: handed over once. Its holder may only be slower than it expected (a call
+      -- longer than its estimate), and the task sent again queues like any other.
+      redis.call('ZREM', KEYS[5], due[1])
+    end
   else
-    redis.call('ZREM', KEYS[5], stale[1])  -- expired: nobody waits on it any more
+    redis.call('ZREM', KEYS[5], due[1])  -- sealed or expired: nobody waits on it here
   end
 end
 
@@ -91,7 +106,7 @@ if not bid then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - ttl)
   redis.call('ZADD', KEYS[2], now, bid)
   redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - ttl)
-  redis.call('ZADD', KEYS[5], now, bid)
+  redis.call('ZADD', KEYS[5], now + tonumber(ARGV[9]), bid)
 end
 local batch_key = ARGV[7] .. bid
 local n = redis.call('RPUSH', batch_key, (now + budget) .. ' ' .. ARGV[2])
@@ -103,8 +118,8 @@ return {bid, n - 1, opened, 0, handover}
 """
 )
 
-# KEYS: open pointer, unsealed batches (zset), undispatched batches (zset)
-# ARGV: batch id, batch key prefix
+# KEYS: open pointer, unsealed batches (zset), hand-over due (zset)
+# ARGV: batch id, batch key prefix, held member
 # Returns {now ms, opened-at ms (or -1), items...}. Atomic with APPEND: an append lands either
 # in this batch (and is returned here) or, after the pointer is cleared, in a new batch.
 SEAL_LUA = (
@@ -115,13 +130,27 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 local opened_at = redis.call('ZSCORE', KEYS[2], ARGV[1]) or -1
 redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1], ARGV[3])
 local batch_key = ARGV[2] .. ARGV[1]
 local items = redis.call('LRANGE', batch_key, 0, -1)
 redis.call('DEL', batch_key)
 table.insert(items, 1, tonumber(opened_at))
 table.insert(items, 1, now)
 return items
+"""
+)
+
+# KEYS: unsealed batches (zset), hand-over due (zset); ARGV: held member, batch id, due in ms
+# A batch still unsealed becomes due for a hand-over at now + due in ms; returns 1, or 0 when
+# the batch is sealed already (nothing to hold).
+HOLD_LUA = (
+    _NOW_LUA
+    + """
+if redis.call('ZSCORE', KEYS[1], ARGV[2]) then
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
+  return 1
+end
+return 0
 """
 )
 
@@ -197,12 +226,13 @@ class BatchAggregator:
             keys.unsealed,
             keys.live_workers,
             keys.turn_ms,
-            keys.undispatched,
+            keys.handover_due,
         ]
         self.configure(max_batch_size=max_batch_size, deadline_ms=deadline_ms)
         self._append = client.register_script(APPEND_LUA)
         self._seal = client.register_script(SEAL_LUA)
         self._heartbeat = client.register_script(HEARTBEAT_LUA)
+        self._hold = client.register_script(HOLD_LUA)
 
     def configure(self, *, max_batch_size: int, deadline_ms: int) -> None:
         """Apply a policy: called at start and by the policy watcher when it changes."""
@@ -214,7 +244,7 @@ class BatchAggregator:
 
     def load_scripts(self) -> None:
         """Load the Lua scripts into Redis now rather than on a request's first NOSCRIPT."""
-        for script in (self._append, self._seal, self._heartbeat):
+        for script in (self._append, self._seal, self._heartbeat, self._hold):
             self.client.script_load(script.script)
 
     def append(self, prompt: str, budget_ms: int) -> Ticket:
@@ -238,14 +268,28 @@ class BatchAggregator:
         return Ticket(bid.decode(), int(index), bool(opened), handover=handed)
 
     def dispatched(self, batch_id: str) -> None:
-        """The batch's task is sent: it is no longer a candidate for a hand-over."""
-        self.client.zrem(self.keys.undispatched, batch_id)
+        """The batch's task is sent: no hand-over for want of a dispatch."""
+        self.client.zrem(self.keys.handover_due, batch_id)
+
+    def hold(self, batch_id: str, seal_in_ms: float) -> bool:
+        """A worker received the batch's task and expects to seal it within `seal_in_ms`: if it
+        has not by DISPATCH_GRACE_MS later (the worker died), the batch is handed over. Its own
+        hand-over member, so that a dispatcher's late confirmation cannot remove it. False
+        when the batch is sealed already."""
+        keys = self.keys
+        due_in_ms = max(0, round(seal_in_ms)) + DISPATCH_GRACE_MS
+        return bool(
+            self._hold(
+                keys=[keys.unsealed, keys.handover_due],
+                args=[batch_id + HELD_SUFFIX, batch_id, due_in_ms],
+            )
+        )
 
     def seal(self, batch_id: str) -> SealedBatch:
         keys = self.keys
         raw = self._seal(
-            keys=[keys.open_batch, keys.unsealed, keys.undispatched],
-            args=[batch_id, keys.batch_prefix],
+            keys=[keys.open_batch, keys.unsealed, keys.handover_due],
+            args=[batch_id, keys.batch_prefix, batch_id + HELD_SUFFIX],
         )
         return SealedBatch(int(raw[0]), int(raw[1]), [_parse_item(item) for item in raw[2:]])
 

@@ -33,10 +33,12 @@ class QueueKeys:
         return f"{self.tag}:unsealed"
 
     @cached_property
-    def undispatched(self) -> str:
-        """A zset of opened batches whose Celery task is not known to be sent yet, scored by
-        the time (ms) their dispatch started: a later request hands over those left too long."""
-        return f"{self.tag}:undispatched"
+    def handover_due(self) -> str:
+        """A zset of unsealed batches whose task may be lost, scored by the time (ms) from which
+        a request hands the batch over (sends its task again) if it is still unsealed: a batch
+        whose task is not known to be sent yet (member: its id), and a batch a worker received
+        before its GPU was free (member: id + HELD_SUFFIX), in case that worker dies first."""
+        return f"{self.tag}:handover-due"
 
     @cached_property
     def batch_prefix(self) -> str:

@@ -177,6 +177,35 @@ class ResultListener:
         entry.event.set()
 
 
+def queue_success(
+    pipe: redis.client.Pipeline, backend: RedisBackend, task_id: str, result: Any
+) -> None:
+    """Queue on `pipe` what Celery's Redis backend runs to store a task's success: the SET of
+    its key (with the results' expiry) and the PUBLISH on the key's channel, in the backend's
+    own encoding, so that `AsyncResult(task_id).get()` reads it as any stored result.
+
+    Sent in a pipeline of the caller's (a worker sends a batch's answers in the round trip
+    that seals its next batch), and without the GET by which `store_result` first checks for
+    a stored success: a sealed batch is answered once.
+    """
+    encoded = backend.encode_result(result, states.SUCCESS)
+    # Celery's own meta (status, result, traceback, children, date_done, and the extended
+    # fields when result_extended is on): the one private name used here, as stable as the
+    # format it builds.
+    meta = backend._get_result_meta(  # type: ignore[attr-defined]
+        result=encoded, state=states.SUCCESS, traceback=None, request=None
+    )
+    meta["task_id"] = task_id
+    key = backend.get_key_for_task(task_id)
+    value = backend.encode(meta)
+    expires = backend.expires  # type: ignore[attr-defined]  # set by KeyValueStoreBackend
+    if expires:
+        pipe.set(key, value, ex=expires)
+    else:
+        pipe.set(key, value)
+    pipe.publish(key, value)
+
+
 _listeners: dict[tuple[int, str], ResultListener] = {}
 _listeners_lock = threading.Lock()
 

@@ -264,6 +264,24 @@ def simulate_row(row: dict[str, object], duration_s: float, seeds: int = 5) -> d
     }
 
 
+def median_rows(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+    """One row per (design, N, load): each number the median of its runs (--repeat), the
+    rest from the first run; with one run each, the rows as they are."""
+    runs: dict[tuple[object, ...], list[dict[str, object]]] = {}
+    for row in rows:
+        runs.setdefault((row["design"], row["gpus"], row["offered_rps"]), []).append(row)
+    merged = []
+    for same in runs.values():
+        row = dict(same[0])
+        for name, value in row.items():
+            values = [other[name] for other in same]
+            if isinstance(value, int | float) and all(isinstance(v, int | float) for v in values):
+                row[name] = statistics.median(values)  # type: ignore[type-var]
+        row["runs"] = len(same)
+        merged.append(row)
+    return merged
+
+
 def describe_machine() -> str:
     model = platform.machine()
     with contextlib.suppress(OSError):
@@ -284,6 +302,9 @@ def main() -> None:
     parser.add_argument("--timer-ms", type=int, default=TIMER_MS, help="the timer baseline's T")
     parser.add_argument(
         "--flush-interval-ms", type=int, default=FLUSH_INTERVAL_MS, help="celery-batches' timer"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run each level N times; report each figure's median"
     )
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -311,12 +332,19 @@ def main() -> None:
             for design in DESIGNS:
                 if design.name in args.designs:
                     design = replace(design, env={**design.env, **tuned.get(design.name, {})})
-                    rows += run_design(
-                        design, gpus, levels, duration, redis_url, then_bare=design.name == "ours"
-                    )
+                    for _ in range(args.repeat):
+                        rows += run_design(
+                            design,
+                            gpus,
+                            levels,
+                            duration,
+                            redis_url,
+                            then_bare=design.name == "ours",
+                        )
     finally:
         if embedded is not None:
             embedded.stop()
+    rows = median_rows(rows)
     for row in rows:
         if row["design"] == "ours":
             row.update(simulate_row(row, duration))

@@ -39,6 +39,7 @@ class Results:
     latencies_ms: list[float] = field(default_factory=list)  # one per request, any outcome
     outcomes: list[str] = field(default_factory=list)
     send_lag_ms: list[float] = field(default_factory=list)  # actual minus intended send time
+    intended_s: list[float] = field(default_factory=list)  # intended send, from the start
     wall_s: float = 0.0  # first intended send to last answer
     client_cpu_s: float = 0.0
     examples: dict[str, str] = field(default_factory=dict)  # one body per outcome
@@ -150,6 +151,7 @@ async def _run(
     results.latencies_ms = [0.0] * len(offsets)
     results.outcomes = [OTHER] * len(offsets)
     results.send_lag_ms = [0.0] * len(offsets)
+    results.intended_s = list(offsets)
     connections = _Connections(host, port)
     loop = asyncio.get_running_loop()
 

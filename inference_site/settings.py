@@ -141,6 +141,15 @@ SAMPLING_MAX_PROMPT_BYTES = _policy_int("SAMPLING_MAX_PROMPT_BYTES", "max_prompt
 # The worker's sampler: "hf" (a transformers model), "simulated", or "module:factory".
 SAMPLER = env_str("SAMPLER", "hf")
 SIMULATED_BATCH_MS = env_int("SIMULATED_BATCH_MS", 100, minimum=0, maximum=600_000)
+# A sampler call running longer than this is taken for hung: its batch's requests are answered
+# with an error at once and the worker exits for its supervisor to start a fresh one
+# (workers/pipeline.py). 0: automatic, 10 x the worker's call estimate and at least 2 s.
+SAMPLING_CALL_TIMEOUT_MS = env_int("SAMPLING_CALL_TIMEOUT_MS", 0, minimum=0, maximum=3_600_000)
+if 0 < SAMPLING_CALL_TIMEOUT_MS < 100:
+    raise ImproperlyConfigured(
+        f"SAMPLING_CALL_TIMEOUT_MS must be 0 (automatic) or at least 100, "
+        f"got {SAMPLING_CALL_TIMEOUT_MS}"
+    )
 # SAMPLER=hf: empty for the packaged SmolLM2-135M GGUF, else a local save_pretrained
 # directory, a local .gguf file or a Hub id already in the local cache.
 SAMPLING_MODEL = env_str("SAMPLING_MODEL", "")

@@ -30,7 +30,7 @@ class WorkerRow:
     host: str
     gpu: str
     sampler: str
-    state: str  # idle, busy, stuck, stopped, silent (no heartbeat for HEARTBEAT_TIMEOUT_MS)
+    state: str  # idle, busy, hung, stopped, silent (no heartbeat for HEARTBEAT_TIMEOUT_MS)
     heartbeat_age_s: float | None
     batches: int
     busy_percent: float | None  # over the last minute
@@ -130,7 +130,9 @@ def _workers(
         heartbeat_at = info.get("heartbeat_at")
         age = now - heartbeat_at if heartbeat_at else None
         state = info.get("state", "silent")
-        if state != "stopped" and (age is None or age * 1000 > HEARTBEAT_TIMEOUT_MS):
+        # A worker that left says why (stopped; hung: it exited for its supervisor to
+        # restart it); any other that stopped beating is silent.
+        if state not in ("stopped", "hung") and (age is None or age * 1000 > HEARTBEAT_TIMEOUT_MS):
             state = "silent"
         rows.append(
             WorkerRow(
@@ -146,7 +148,7 @@ def _workers(
                 policy_version=info.get("policy_version"),
             )
         )
-    return sorted(rows, key=lambda row: (row.state in ("stopped", "silent"), row.name))
+    return sorted(rows, key=lambda row: (row.state in ("stopped", "hung", "silent"), row.name))
 
 
 # The shortest span a chart shows: a service that started a minute ago gets readable lines

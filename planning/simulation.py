@@ -11,9 +11,10 @@ arrivals and GPUs that each run one call at a time:
   - admission: with batches queued behind every GPU, a request is refused at once (503) when
     the worst-case finish of its batch is past its deadline (batching.admission, the same
     formula the APPEND script runs).
-Times are in ms. The fixed costs around the GPU are parameters: `path_ms` (web process,
-Redis and result delivery, added to each answer), `dispatch_ms` (a task's publish to an idle
-worker's seal) and `gap_ms` (a worker's time between calls). Django-free.
+Times are in ms. The fixed costs around the GPU are parameters: `path_ms` (a call's end to the
+client's answer, added to each answer), `dispatch_ms` (a batch's first request to its seal
+by an idle worker) and `gap_ms` (a worker's time between calls); their defaults are the
+measured ones of planning/costs.py. Django-free.
 """
 
 from __future__ import annotations
@@ -26,13 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from batching import admission
 from batching.policy import MAX_BATCH_SIZE
-
-# Fixed costs measured on the benchmark's machine (docs/benchmarks): p50 at 10 req/s is the
-# call plus about 8 ms, split between the path and dispatch; a worker spends ~3 ms between
-# calls storing the result and taking the next task.
-PATH_MS = 6.0
-DISPATCH_MS = 2.0
-GAP_MS = 3.0
+from planning.costs import MEASURED
 
 
 @dataclass(frozen=True)
@@ -43,15 +38,23 @@ class Scenario:
     max_batch: int = MAX_BATCH_SIZE
     deadline_ms: float = 500.0
     duration_s: float = 10.0
-    path_ms: float = PATH_MS
-    dispatch_ms: float = DISPATCH_MS
-    gap_ms: float = GAP_MS
+    path_ms: float = MEASURED.path_ms
+    dispatch_ms: float = MEASURED.dispatch_ms
+    gap_ms: float = MEASURED.gap_ms
     seed: int = 1
 
     @property
+    def full_batch_gpus(self) -> float:
+        """GPUs kept busy all the time by the rate in full batches, a turn being one call and
+        the gap before the next: rate x (call + gap) / max batch."""
+        return self.rate_rps * (self.batch_ms + self.gap_ms) / 1000 / self.max_batch
+
+    @property
     def lower_bound_gpus(self) -> int:
-        """ceil(rate x call time / max batch): every GPU busy all the time with full batches."""
-        return max(1, math.ceil(self.rate_rps * self.batch_ms / 1000 / self.max_batch - 1e-9))
+        """The fewest GPUs whose full batches carry more than the rate. At exactly the rate a
+        queue is critically loaded: it grows without bound over a long enough run (a short
+        simulation would not show it), until admission refuses."""
+        return max(1, math.floor(self.full_batch_gpus) + 1)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""A GPU worker's life: load the sampler once at start, heartbeat while alive, leave on stop.
+"""A GPU worker's life: load the sampler once at start, run batches through the pipeline,
+heartbeat while alive, leave on stop, and exit at once when a call hangs.
 
 Connected to Celery's worker signals when `celery worker` imports workers.tasks
 (CELERY_IMPORTS); a web process never imports this module.
@@ -11,40 +12,69 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 import redis
-from celery import signals
+from celery import current_app, signals
+from celery.backends.redis import RedisBackend
 from django.conf import settings
 
 from batching import stats
 from batching.aggregator import HEARTBEAT_TIMEOUT_MS, BatchAggregator
 from batching.policy import PolicyWatcher, policy_from_settings
-from workers.runner import BatchRunner
+from batching.protocol import RUN_BATCH_TASK
+from batching.results import queue_success
+from workers.pipeline import BatchPipeline
+from workers.runner import BatchRunner, Result
 from workers.samplers import load_sampler
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
-# A call running longer than this is taken for a hung sampler: the worker stops advertising
-# itself, so /readyz and admission no longer count it.
-STUCK_CALL_S = 60.0
 # A stopped worker's row stays on the stats page this long.
 WORKER_INFO_TTL_MS = stats.KNOWN_WORKERS_S * 1000
+# The exit status of a worker whose sampler call hung (sysexits' EX_SOFTWARE): its supervisor
+# (systemd, compose, `make run`) starts a fresh one.
+EXIT_HUNG_CALL = 70
 
-_runner: BatchRunner | None = None
+_pipeline: BatchPipeline | None = None
 _stop = threading.Event()
+_hung = threading.Event()
 
 
-def current_runner(queue: str) -> BatchRunner:
-    if _runner is None:
+def current_pipeline(queue: str) -> BatchPipeline:
+    if _pipeline is None:
         raise RuntimeError("this process is not a sampling worker: no sampler was loaded")
-    if queue != _runner.aggregator.queue:
+    if queue != _pipeline.runner.aggregator.queue:
         raise RuntimeError(
-            f"batch of queue {queue!r} reached a worker of queue {_runner.aggregator.queue!r}"
+            f"batch of queue {queue!r} reached a worker of queue "
+            f"{_pipeline.runner.aggregator.queue!r}"
         )
-    return _runner
+    return _pipeline
+
+
+def queue_answers(pipe: redis.client.Pipeline, batch_id: str, answers: list[Result]) -> None:
+    """A batch's answers, stored and published as Celery stores its task's result (the task
+    id is the batch id), so that the web side's AsyncResult(batch_id).get() reads them."""
+    backend = current_app.backend
+    if not isinstance(backend, RedisBackend):  # CELERY_RESULT_BACKEND: a Redis backend
+        raise TypeError(f"the result backend must be Redis, not {type(backend).__name__}")
+    queue_success(pipe, backend, batch_id, answers)
+
+
+def store_failure(batch_id: str, exc: Exception) -> None:
+    """A batch that failed whole: its waiters' get() raises, and the view answers 502."""
+    current_app.backend.mark_as_failure(batch_id, exc)
+
+
+def _resender(queue: str) -> Callable[[str], None]:
+    def resend(batch_id: str) -> None:
+        current_app.send_task(RUN_BATCH_TASK, args=(batch_id, queue), task_id=batch_id, queue=queue)
+
+    return resend
 
 
 def _aggregator() -> BatchAggregator:
@@ -66,15 +96,23 @@ def _watcher(aggregator: BatchAggregator) -> PolicyWatcher:
 @signals.worker_process_init.connect
 def load_runner(sender: object = None, **kwargs: object) -> None:
     """Fired in the process that runs tasks (the solo pool's main process): load once."""
-    global _runner
+    global _pipeline
     started = time.perf_counter()
     worker = str(sender or f"worker@{socket.gethostname()}")
     try:
         aggregator = _aggregator()
         watcher = _watcher(aggregator)
         sampler = load_sampler()
-        _runner = BatchRunner(aggregator, sampler, worker, policy=lambda: watcher.current)
-        _runner.warm_up()
+        runner = BatchRunner(aggregator, sampler, worker, policy=lambda: watcher.current)
+        runner.warm_up()
+        _pipeline = BatchPipeline(
+            runner,
+            queue_answers=queue_answers,
+            store_failure=store_failure,
+            resend=_resender(aggregator.queue),
+            on_hung=_leave_hung,
+            call_timeout_ms=settings.SAMPLING_CALL_TIMEOUT_MS or None,
+        ).start()
     except Exception as exc:  # whatever failed, the worker is useless without its sampler
         # Celery logs and swallows a signal handler's exception: the worker would go on
         # consuming batches it cannot run, failing them. Leave instead (SystemExit is not an
@@ -99,7 +137,7 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
     # Started here rather than on worker_ready so that it runs in the process holding the
     # sampler whatever the pool (solo: the worker itself; prefork: the child).
     _stop.clear()
-    threading.Thread(target=_heartbeat_loop, args=(_runner,), name="heartbeat", daemon=True).start()
+    threading.Thread(target=_heartbeat_loop, args=(runner,), name="heartbeat", daemon=True).start()
 
 
 def _heartbeat_loop(runner: BatchRunner) -> None:
@@ -109,14 +147,9 @@ def _heartbeat_loop(runner: BatchRunner) -> None:
     info_key = aggregator.keys.worker_info(runner.worker)
     while not _stop.is_set():
         busy_since = runner.busy_since
-        stuck = busy_since is not None and time.monotonic() - busy_since > STUCK_CALL_S
         now = time.time()
         try:
-            if stuck:
-                log.error("sampler call running for over %.0f s: not advertising", STUCK_CALL_S)
-                aggregator.forget_worker(runner.worker)
-            else:
-                aggregator.heartbeat(runner.worker)
+            aggregator.heartbeat(runner.worker)
             policy = runner.policy()
             info = {
                 "worker": runner.worker,
@@ -130,7 +163,7 @@ def _heartbeat_loop(runner: BatchRunner) -> None:
                 "policy_version": policy.version,
                 "max_batch_size": policy.max_batch_size,
                 "max_new_tokens": runner.sampler.generation.max_new_tokens,
-                "state": "stuck" if stuck else ("busy" if busy_since is not None else "idle"),
+                "state": "busy" if busy_since is not None else "idle",
                 "heartbeat_at": now,
             }
             with aggregator.client.pipeline(transaction=False) as pipe:
@@ -145,22 +178,41 @@ def _heartbeat_loop(runner: BatchRunner) -> None:
 
 @signals.worker_shutdown.connect
 @signals.worker_process_shutdown.connect
-def stop_heartbeat(sender: object = None, **kwargs: object) -> None:
+def stop_worker(sender: object = None, **kwargs: object) -> None:
+    """A warm shutdown: the running call ends and its answers are published, then goodbye."""
+    if _pipeline is None or _hung.is_set():
+        return
+    _pipeline.close(timeout_s=_pipeline.call_timeout_ms() / 1000 + 1)
     _stop.set()
-    if _runner is not None:
-        say_goodbye(_runner)
+    say_goodbye(_pipeline.runner)
 
 
-def say_goodbye(runner: BatchRunner) -> None:
-    """Stop counting as a live worker at once (not 5 s later), and show as stopped, not as
-    silent, on the stats page. Best effort: the process is leaving."""
+def _leave_hung(batch_id: str, ran_ms: float) -> None:
+    """The pipeline cut off a hung call and answered its batch: stop counting as a worker at
+    once (admission, /readyz) and exit; the call cannot be interrupted in place."""
+    _hung.set()
+    _stop.set()
+    if _pipeline is not None:
+        say_goodbye(_pipeline.runner, state="hung")
+        _pipeline.drain_reports(timeout_s=1.0)  # the last batches' records, if any are left
+    log.critical("worker exits with status %d for its supervisor to restart it", EXIT_HUNG_CALL)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_HUNG_CALL)
+
+
+def say_goodbye(runner: BatchRunner, state: str = "stopped") -> None:
+    """Stop counting as a live worker at once (not 5 s later), and show as stopped (or hung),
+    not as silent, on the stats page. Best effort: the process is leaving."""
     aggregator = runner.aggregator
     info_key = aggregator.keys.worker_info(runner.worker)
     try:
         aggregator.forget_worker(runner.worker)
         raw = aggregator.client.get(info_key)
         if raw:
-            info = {**json.loads(raw), "state": "stopped", "heartbeat_at": time.time()}
+            info = {**json.loads(raw), "state": state, "heartbeat_at": time.time()}
             aggregator.client.set(info_key, json.dumps(info), px=WORKER_INFO_TTL_MS)
     except (redis.RedisError, ValueError) as exc:
         log.warning(

@@ -12,7 +12,9 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+
+import redis
 
 from batching import stats
 from batching.aggregator import BatchAggregator, Item, SealedBatch
@@ -28,6 +30,31 @@ ESTIMATE_WEIGHT = 0.3
 
 # One item's answer: [ItemOutcome, text], the completion for OK, a one-line reason otherwise.
 Result = list[str]
+
+
+@dataclass
+class Turn:
+    """One batch's turn on the GPU: sealed (`begin`), sampled (`sample`), then reported."""
+
+    batch_id: str
+    sealed: SealedBatch
+    policy: Policy
+    results: dict[int, Result]  # by item index; every index once sampled
+    chunks: list[list[int]]  # the live items' indexes, one list per sampler call
+    began: float  # perf_counter when the seal started
+    sampler_ms: float = 0.0
+    ended: float = 0.0  # perf_counter when the last call returned
+
+    @property
+    def answers(self) -> list[Result]:
+        return [self.results[index] for index in range(len(self.sealed.items))]
+
+    def answers_failing_the_rest(self, reason: str) -> list[Result]:
+        """Every item's answer, an error for the items not answered yet (a call cut off)."""
+        return [
+            self.results.get(index, [ItemOutcome.ERROR, reason])
+            for index in range(len(self.sealed.items))
+        ]
 
 
 class BatchRunner:
@@ -84,45 +111,59 @@ class BatchRunner:
 
     def run(self, batch_id: str) -> list[Result] | None:
         """One [outcome, text] per item of the batch, in order; None when the batch was
-        sealed before (a duplicate task): there is nobody to answer."""
-        started = time.perf_counter()
+        sealed before (a duplicate task): there is nobody to answer. The three steps in one
+        thread; a worker runs them in a pipeline (workers.pipeline)."""
+        turn = self.begin(batch_id)
+        if turn is None:
+            return None
+        self.sample(turn)
+        self.finish(turn)
+        return turn.answers
+
+    def begin(self, batch_id: str) -> Turn | None:
+        """Seal the batch (the GPU is free for it) and drop the items whose deadline one more
+        call cannot meet; None when it was sealed before."""
+        began = time.perf_counter()
         policy = self.apply_policy()
         sealed = self.aggregator.seal(batch_id)
         if sealed.sealed_before:
             log.info("batch %s was sealed by an earlier task: nothing to run", batch_id)
             return None
-        items = sealed.items
         # One more call must end before the item's deadline, or the item is dropped now and
         # the sampler never sees it.
         cutoff = sealed.now_ms + self.estimate_ms
         results: dict[int, Result] = {}
         live: list[int] = []
-        for index, item in enumerate(items):
+        for index, item in enumerate(sealed.items):
             if item.deadline_ms < cutoff:
                 results[index] = [ItemOutcome.EXPIRED, "deadline could not be met"]
             else:
                 live.append(index)
-
         # A batch opened under a larger max batch size than the policy's now (just lowered)
         # runs as several calls of at most the new size.
-        sampler_ms = 0.0
-        chunks = [
-            live[start : start + policy.max_batch_size]
-            for start in range(0, len(live), policy.max_batch_size)
-        ]
-        for chunk in chunks:
-            sampler_ms += self._sample(batch_id, items, chunk, results)
-        answers = [results[index] for index in range(len(items))]
+        size = policy.max_batch_size
+        chunks = [live[start : start + size] for start in range(0, len(live), size)]
+        return Turn(batch_id, sealed, policy, results, chunks, began)
 
-        # Written only by the task thread; the heartbeat thread just reads them.
+    def sample(self, turn: Turn) -> None:
+        """The turn's sampler calls: every live item gets its answer."""
+        for chunk in turn.chunks:
+            turn.sampler_ms += self._sample(turn.batch_id, turn.sealed.items, chunk, turn.results)
+        turn.ended = time.perf_counter()
+
+    def finish(self, turn: Turn) -> None:
+        """Count, record and learn from a sampled turn: off the GPU's path in a pipeline."""
+        # Written only by the thread that finishes turns; the heartbeat thread just reads.
         self.batches += 1
-        self.busy_s += sampler_ms / 1000
-        self._record(batch_id, sealed, answers, sampler_ms, len(chunks), policy)
-        if chunks:  # a batch dropped whole took no GPU time: not a turn to learn from
-            turn_ms = (time.perf_counter() - started) * 1000
+        self.busy_s += turn.sampler_ms / 1000
+        self._record(turn)
+        if turn.chunks:  # a batch dropped whole took no GPU time: not a turn to learn from
+            turn_ms = (turn.ended - turn.began) * 1000
             self.turn_ms += ESTIMATE_WEIGHT * (turn_ms - self.turn_ms)
-            self.aggregator.publish_turn_ms(self.turn_ms)
-        return answers
+            try:
+                self.aggregator.publish_turn_ms(self.turn_ms)
+            except redis.RedisError as exc:  # admission uses the last figure a while longer
+                log.warning("could not publish the turn's duration: %s", exc)
 
     def _sample(
         self, batch_id: str, items: list[Item], indexes: list[int], results: dict[int, Result]
@@ -154,15 +195,9 @@ class BatchRunner:
         self.estimate_ms += ESTIMATE_WEIGHT * (sampler_ms - self.estimate_ms)
         return sampler_ms
 
-    def _record(
-        self,
-        batch_id: str,
-        sealed: SealedBatch,
-        results: list[Result],
-        sampler_ms: float,
-        calls: int,
-        policy: Policy,
-    ) -> None:
+    def _record(self, turn: Turn) -> None:
+        batch_id, sealed, policy = turn.batch_id, turn.sealed, turn.policy
+        results, sampler_ms, calls = turn.answers, turn.sampler_ms, len(turn.chunks)
         counts = Counter(ItemOutcome(outcome) for outcome, _ in results)
         expired = counts[ItemOutcome.EXPIRED]
         queue_wait_ms = sealed.now_ms - sealed.opened_at_ms if sealed.opened_at_ms >= 0 else None

@@ -7,18 +7,15 @@ cycle (workers.lifecycle) to Celery's signals.
 from __future__ import annotations
 
 from celery import shared_task
-from celery.exceptions import Ignore
 
 from batching.protocol import RUN_BATCH_TASK
-from workers.lifecycle import current_runner
+from workers.lifecycle import current_pipeline
 
 
-@shared_task(name=RUN_BATCH_TASK)
-def run_batch(batch_id: str, queue: str) -> list[list[str]]:
-    """Seal batch `batch_id` of `queue`, sample it, and return one [outcome, text] per item."""
-    results = current_runner(queue).run(batch_id)
-    if results is None:
-        # A duplicate task of a batch sealed already (a hand-over): its members have their
-        # answer, which storing an empty result must not replace.
-        raise Ignore
-    return results
+# ignore_result: the batch's answers are stored under its id (the task id) by the pipeline's
+# reporter when the call ends, in the shape Celery stores a result; the task itself returns
+# before that, so that the worker takes the next task while the GPU is busy.
+@shared_task(name=RUN_BATCH_TASK, ignore_result=True)
+def run_batch(batch_id: str, queue: str) -> None:
+    """Hand batch `batch_id` of `queue` to this worker's GPU pipeline (workers.pipeline)."""
+    current_pipeline(queue).submit(batch_id)

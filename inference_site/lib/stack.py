@@ -7,6 +7,7 @@ tests' fixtures, so both exercise the same processes started the same way.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -41,7 +42,10 @@ class Stack:
     gpus: list[int | None] = field(default_factory=lambda: [None])  # None: a CPU worker
     web_processes: int = 2
     worker_args: list[str] = field(default_factory=list)  # extra `celery worker` arguments
-    web_config: Path = ROOT / "inference_site" / "gunicorn.conf.py"
+    web_config: Path | None = None  # None: the tree's inference_site/gunicorn.conf.py
+    # The tree whose code the processes run: this one, or an older checkout that a benchmark
+    # measures against (bench/gap.py --against).
+    root: Path = ROOT
     port: int = 0
     log_dir: Path | None = None  # None: the processes write to this terminal
     redis: EmbeddedRedis | None = None
@@ -56,7 +60,7 @@ class Stack:
     def environment(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
         env.setdefault("DJANGO_SETTINGS_MODULE", "inference_site.settings")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.root), env.get("PYTHONPATH")]))
         return env
 
     def _output(self, name: str) -> IO[bytes] | None:
@@ -80,28 +84,38 @@ class Stack:
         return self
 
     def start_worker(self, gpu: int | None) -> subprocess.Popen[bytes]:
+        worker = self._spawn_worker(gpu)
+        self.workers.append(worker)
+        return worker
+
+    def restart_worker(self, index: int) -> subprocess.Popen[bytes]:
+        """Start the worker of `self.gpus[index]` again, in place of one that exited."""
+        self.workers[index] = self._spawn_worker(self.gpus[index])
+        return self.workers[index]
+
+    def _spawn_worker(self, gpu: int | None) -> subprocess.Popen[bytes]:
         from workers.launch import worker_command, worker_environment
 
         env = worker_environment(gpu, self.environment())
         queue = env_str("SAMPLING_QUEUE", "sampling", environ=env)
         output = self._output(f"worker-{'cpu' if gpu is None else gpu}")
-        worker = subprocess.Popen(
-            worker_command(gpu, queue, self.worker_args), cwd=ROOT, env=env, stdout=output,
+        return subprocess.Popen(
+            worker_command(gpu, queue, self.worker_args), cwd=self.root, env=env, stdout=output,
             stderr=subprocess.STDOUT if output else None, start_new_session=True,
         )  # fmt: skip
-        self.workers.append(worker)
-        return worker
 
-    def start_web(self) -> None:
+    def start_web(self) -> subprocess.Popen[bytes]:
         env = self.environment()
         env["PORT"] = str(self.port)
         env["WEB_CONCURRENCY"] = str(self.web_processes)
         output = self._output("web")
+        config = self.web_config or self.root / "inference_site" / "gunicorn.conf.py"
         self.web = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", str(self.web_config)],
-            cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
+            [sys.executable, "-m", "gunicorn", "-c", str(config)],
+            cwd=self.root, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
             start_new_session=True,
         )  # fmt: skip
+        return self.web
 
     def wait_ready(self, timeout_s: float, need_worker: bool = True) -> None:
         path = "/readyz" if need_worker else "/healthz"
@@ -136,10 +150,80 @@ class Stack:
         self._logs.clear()
 
 
+# A process that exits is started again after a back-off that doubles with each exit in a row
+# (1, 2, 4 ... 30 s), as systemd's Restart=always would with a growing RestartSec; a process
+# that ran this long before it exited starts again after the first step.
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 30.0
+STABLE_S = 60.0
+
+
+@dataclass
+class _Supervised:
+    name: str
+    process: subprocess.Popen[bytes]
+    start: Callable[[], subprocess.Popen[bytes]]
+    started: float  # monotonic
+    exits_in_a_row: int = 0
+    restart_at: float | None = None
+
+    def check(self, now: float, say: Callable[[str], None]) -> None:
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.process = self.start()
+                self.started, self.restart_at = now, None
+                say(f"{self.name} started again (pid {self.process.pid})")
+            return
+        status = self.process.poll()
+        if status is None:
+            return
+        ran_s = now - self.started
+        self.exits_in_a_row = 1 if ran_s >= STABLE_S else self.exits_in_a_row + 1
+        delay_s = min(RESTART_MAX_S, RESTART_FIRST_S * 2 ** (self.exits_in_a_row - 1))
+        say(
+            f"{self.name} (pid {self.process.pid}) exited with status {status} after "
+            f"{ran_s:.1f} s; starting it again in {delay_s:g} s"
+        )
+        self.restart_at = now + delay_s
+
+
+class Supervisor:
+    """Keeps a started stack's processes running, as systemd does the deployed units: each
+    worker (a hung call ends its process on purpose) and gunicorn's master."""
+
+    def __init__(self, stack: Stack, say: Callable[[str], None] | None = None) -> None:
+        now = time.monotonic()
+        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        assert stack.web is not None, "start the stack first"
+        self.processes = [_Supervised("gunicorn", stack.web, stack.start_web, now)]
+        for index, worker in enumerate(stack.workers):
+            gpu = stack.gpus[index]
+            name = f"worker {'cpu' if gpu is None else f'gpu{gpu}'}"
+            restart = functools.partial(stack.restart_worker, index)
+            self.processes.append(_Supervised(name, worker, restart, now))
+
+    def check(self) -> None:
+        now = time.monotonic()
+        for process in self.processes:
+            process.check(now, self.say)
+
+    def run(self, poll_s: float = 0.25) -> None:
+        """Until interrupted."""
+        while True:
+            self.check()
+            time.sleep(poll_s)
+
+
 # A 135M-parameter model on a laptop CPU takes ~1 s for one prompt and ~9 s for a batch of
 # 100 (README, "Measured figures"): the GPU's 500 ms deadline cannot hold. Without a GPU,
-# `make run` serves the real model with these instead, unless they are set.
-CPU_PROFILE = {"SAMPLING_MAX_NEW_TOKENS": "16", "SAMPLING_DEADLINE_MS": "15000"}
+# `make run` serves the real model with these instead, unless they are set. The call timeout
+# too: a CPU call's time grows with its batch, so 10 x the estimate (of calls mostly small at
+# low load) could cut off a full batch that is merely slow.
+CPU_PROFILE = {
+    "SAMPLING_MAX_NEW_TOKENS": "16",
+    "SAMPLING_DEADLINE_MS": "15000",
+    "SAMPLING_CALL_TIMEOUT_MS": "60000",
+}
 
 
 def cpu_profile(environ: Mapping[str, str]) -> dict[str, str]:
@@ -189,10 +273,7 @@ def main() -> None:
             f'  curl -s localhost:{stack.port}/sample -d "E equals "\n',
             flush=True,
         )
-        while all(p.poll() is None for p in [stack.web, *stack.workers] if p is not None):
-            time.sleep(0.5)
-        print("a process exited; stopping the rest", file=sys.stderr)
-        sys.exit(1)
+        Supervisor(stack).run()
     except KeyboardInterrupt:
         print("\nStopping ...", flush=True)
     finally:

@@ -38,8 +38,11 @@ def test_quick_benchmark_runs_every_design(tmp_path: Path, redis_url: str) -> No
     for row in rows:
         assert row["wrong"] == 0, row  # no answer went to the wrong request
         assert row["sent"] > 0
-        assert row["web_cpu_ms"] > 0
         assert row["redis_commands"] > 0
+    for design in designs:
+        # CPU time comes in 10 ms ticks: a level of ten bare requests may read 0; a design's
+        # two levels together may not.
+        assert sum(row["web_cpu_ms"] for row in rows if row["design"] == design) > 0, design
     for row in rows:
         if row["design"] in ("ours", "bare view"):
             assert row["ok_share"] >= 0.95, row  # light load: (nearly) all answered

@@ -29,8 +29,10 @@ def model_service(start_stack: Callable[..., Stack]) -> Iterator[Stack]:
         "SAMPLER": "hf",
         "SAMPLING_MODEL": "",  # the packaged GGUF
         "SAMPLING_MAX_NEW_TOKENS": "8",
-        # CPU: a batch takes seconds, not the GPU's 100 ms.
+        # CPU: a batch takes seconds, not the GPU's 100 ms, and more with more prompts (as in
+        # make run's CPU profile).
         "SAMPLING_DEADLINE_MS": "60000",
+        "SAMPLING_CALL_TIMEOUT_MS": "60000",
         # Let a prompt past the model's context reach the worker, to be rejected there.
         "SAMPLING_MAX_PROMPT_BYTES": "100000",
     }

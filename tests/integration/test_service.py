@@ -194,7 +194,7 @@ def test_a_batch_whose_task_cannot_be_sent_is_closed_and_answered_at_once(
     keys = QueueKeys(stack.env["SAMPLING_QUEUE"])
     assert client.get(keys.open_batch) is None
     assert client.zcard(keys.unsealed) == 0
-    assert client.zcard(keys.undispatched) == 0
+    assert client.zcard(keys.handover_due) == 0
 
 
 def test_a_batch_left_by_a_dead_dispatcher_is_handed_over(service: Stack) -> None:

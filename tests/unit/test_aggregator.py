@@ -213,3 +213,32 @@ def test_an_abandoned_batch_takes_no_more_members(aggregator: BatchAggregator) -
     time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
     # Only the batch still waiting for its send is handed over; the abandoned one is no one's.
     assert aggregator.append("p3", 500).handover == after.batch_id
+
+
+def test_a_held_batch_its_worker_does_not_seal_is_handed_over_once(
+    aggregator: BatchAggregator,
+) -> None:
+    """A worker received the batch's task ahead of its seal and died: a grace after the seal
+    it expected, the next request is told to send the task again; once, since the holder
+    may only be slow, and a second send queues like any task."""
+    held = aggregator.append("held by a worker that dies", 5000)
+    aggregator.dispatched(held.batch_id)  # sent: no hand-over for the dispatch
+    assert aggregator.hold(held.batch_id, seal_in_ms=50)
+    # A late confirmation of the dispatch cannot cancel the hold.
+    aggregator.dispatched(held.batch_id)
+    time.sleep((50 + DISPATCH_GRACE_MS) / 1000 - 0.05)
+    assert aggregator.append("before the grace", 5000).handover == ""
+    time.sleep(0.07)
+    assert aggregator.append("after the grace", 5000).handover == held.batch_id
+    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
+    assert aggregator.append("later", 5000).handover == ""
+
+
+def test_a_sealed_batch_is_neither_held_nor_handed_over(aggregator: BatchAggregator) -> None:
+    held = aggregator.append("sealed in time", 5000)
+    aggregator.dispatched(held.batch_id)
+    assert aggregator.hold(held.batch_id, seal_in_ms=0)
+    assert aggregator.seal(held.batch_id).items  # its worker sealed it
+    assert not aggregator.hold(held.batch_id, seal_in_ms=0)  # nothing left to hold
+    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
+    assert aggregator.append("after", 5000).handover == ""

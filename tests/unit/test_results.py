@@ -12,10 +12,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 from celery import Celery, states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
-from batching.results import SharedListenerRedisBackend, listener_for
+from batching.results import SharedListenerRedisBackend, listener_for, queue_success
 
 
 @pytest.fixture
@@ -117,3 +118,30 @@ def test_listener_survives_a_dropped_connection(app: Celery, redis_url: str) -> 
     store(app, task_id, ["after reconnect"])
     waiter.join(timeout=6)
     assert result == [["after reconnect"]]
+
+
+def test_a_success_queued_on_a_pipeline_is_stored_as_celery_stores_one(
+    app: Celery, redis_url: str
+) -> None:
+    """A worker publishes a batch's answers in a pipeline of its own (queue_success): the
+    waiters get them as from store_result, and the stored meta is Celery's own."""
+    answers = [["ok", "first"], ["expired", "deadline could not be met"]]
+    by_celery, by_pipeline = uuid.uuid4().hex, uuid.uuid4().hex
+    backend = backend_of(app)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(lambda: app.AsyncResult(by_pipeline).get(timeout=5))
+        time.sleep(0.1)  # subscribed: the PUBLISH is what wakes it
+        store(app, by_celery, answers)
+        with redis.Redis.from_url(redis_url).pipeline(transaction=False) as pipe:
+            queue_success(pipe, backend, by_pipeline, answers)
+            pipe.execute()
+        assert waiting.result() == answers
+    celery_meta = backend.get_task_meta(by_celery)
+    pipeline_meta = backend.get_task_meta(by_pipeline)
+    for meta in (celery_meta, pipeline_meta):
+        meta.pop("task_id")
+        meta.pop("date_done")
+    assert pipeline_meta == celery_meta
+    client = redis.Redis.from_url(redis_url)
+    expiry = client.ttl(backend.get_key_for_task(by_pipeline))
+    assert 0 < expiry <= client.ttl(backend.get_key_for_task(by_celery)) + 1

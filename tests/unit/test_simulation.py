@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 from django.core.management import CommandError, call_command
 
+from planning.costs import MEASURED, MeasuredCosts
 from planning.simulation import Scenario, fewest_gpus, simulate, web_nodes
 
 
@@ -65,11 +66,15 @@ def test_percentile_counts_failures_as_late() -> None:
 def test_fewest_gpus_is_the_smallest_count_that_meets_the_percentile() -> None:
     base = Scenario(rate_rps=5_000, gpus=1, duration_s=20)
     plan = fewest_gpus(base, 99)
-    assert plan.lower_bound == math.ceil(5_000 * 0.1 / 100) == 5
+    turn_s = (base.batch_ms + base.gap_ms) / 1000
+    assert plan.lower_bound == math.floor(5_000 * turn_s / 100) + 1
     assert plan.gpus >= plan.lower_bound
     assert plan.outcome.percentile_ms(99) <= 500
-    fewer = simulate(replace(base, gpus=plan.gpus - 1))
-    assert fewer.percentile_ms(99) > 500
+    fewer = plan.gpus - 1
+    if fewer >= plan.lower_bound:
+        assert simulate(replace(base, gpus=fewer)).percentile_ms(99) > 500
+    else:  # one GPU fewer cannot carry the rate even in full batches: never planned
+        assert fewer * base.max_batch * 1000 / (base.batch_ms + base.gap_ms) <= base.rate_rps
 
 
 def test_web_nodes_round_up() -> None:
@@ -85,7 +90,8 @@ def test_capacity_command_answers_the_issue_question() -> None:
     text = out.getvalue()
     gpus = int(re.search(r"GPUs needed:\s+(\d+)", text).group(1))  # type: ignore[union-attr]
     bound = int(re.search(r"lower bound:\s+(\d+)", text).group(1))  # type: ignore[union-attr]
-    assert bound == math.ceil(20_000 * 100 / 1000 / 100)
+    turn_ms = 100 + MEASURED.gap_ms
+    assert bound == math.floor(20_000 * turn_ms / 1000 / 100) + 1
     plan = fewest_gpus(Scenario(rate_rps=20_000, gpus=1, duration_s=10), 99)
     assert gpus == plan.gpus >= bound
     assert "predicted goodput" in text
@@ -106,3 +112,30 @@ def test_capacity_command_table_and_refusals() -> None:
     with pytest.raises(CommandError, match="max-batch"):
         call_command("capacity", "--rps", "100", "--deadline-ms", "500", "--max-batch", "101",
                      stdout=io.StringIO())  # fmt: skip
+
+
+def test_a_rate_at_exactly_the_full_batch_capacity_needs_one_gpu_more() -> None:
+    # 20 GPUs of 100-prompt calls every 100 ms carry 20,000 req/s with no slack at all.
+    assert Scenario(rate_rps=20_000, gpus=1, gap_ms=0).lower_bound_gpus == 21
+    assert Scenario(rate_rps=19_999, gpus=1, gap_ms=0).lower_bound_gpus == 20
+    # A gap between calls is capacity lost: 1 ms on 100 is one GPU in 100.
+    assert Scenario(rate_rps=19_900, gpus=1, gap_ms=1).lower_bound_gpus == 21
+
+
+def test_the_planner_simulates_with_the_measured_costs() -> None:
+    measured = MeasuredCosts.load()  # planning/costs.json, written by bench/gap.py
+    scenario = Scenario(rate_rps=1_000, gpus=1)
+    assert (scenario.path_ms, scenario.dispatch_ms, scenario.gap_ms) == (
+        measured.path_ms,
+        measured.dispatch_ms,
+        measured.gap_ms,
+    )
+    out = io.StringIO()
+    call_command("capacity", "--rps", "1000", "--deadline-ms", "500", "--seconds", "2",
+                 stdout=out)  # fmt: skip
+    assert measured.source in out.getvalue()
+    out = io.StringIO()
+    call_command("capacity", "--rps", "1000", "--deadline-ms", "500", "--seconds", "2",
+                 "--gap-ms", "7", stdout=out)  # fmt: skip
+    assert measured.source not in out.getvalue()  # not the measured costs any more
+    assert "7 ms between calls" in out.getvalue()

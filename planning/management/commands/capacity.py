@@ -2,7 +2,8 @@
 
 The answer comes from a discrete-event simulation of the service's own policy
 (planning/simulation.py): Poisson arrivals, lazy sealing by free GPUs, deadline drops and
-admission, searched upward from the analytic lower bound ceil(rps x batch time / max batch).
+admission, searched upward from the analytic lower bound: the fewest GPUs whose full batches
+carry more than the rate, a turn being one call and the measured gap between two calls.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from batching.policy import MAX_BATCH_SIZE
 from planning import simulation
+from planning.costs import MEASURED
 
 # Front-end CPU per /sample request, measured by `make bench-compare` (docs/benchmarks:
 # ours at 90% load, N = 1) on the 2-core machine that README's figures come from.
@@ -32,6 +34,9 @@ class Options:
     max_batch: int
     percentile: float
     web_cpu_ms: float
+    path_ms: float
+    dispatch_ms: float
+    gap_ms: float
     web_node_cores: int
     web_utilisation: float
     seconds: float
@@ -59,6 +64,9 @@ class Options:
             max_batch=self.max_batch,
             deadline_ms=self.deadline_ms,
             duration_s=seconds,
+            path_ms=self.path_ms,
+            dispatch_ms=self.dispatch_ms,
+            gap_ms=self.gap_ms,
             seed=self.seed,
         )
 
@@ -66,6 +74,11 @@ class Options:
         return simulation.web_nodes(
             rate, self.web_cpu_ms, self.web_node_cores, self.web_utilisation
         )
+
+    @property
+    def measured_costs(self) -> bool:
+        measured = (MEASURED.path_ms, MEASURED.dispatch_ms, MEASURED.gap_ms)
+        return (self.path_ms, self.dispatch_ms, self.gap_ms) == measured
 
     @property
     def web_basis(self) -> str:
@@ -95,6 +108,14 @@ class Command(BaseCommand):
             default=MEASURED_WEB_CPU_MS,
             help=f"front-end CPU ms per request (default {MEASURED_WEB_CPU_MS}, measured)",
         )
+        for name, value, what in (
+            ("--path-ms", MEASURED.path_ms, "a call's end to the client's answer"),
+            ("--dispatch-ms", MEASURED.dispatch_ms, "a lone request's send to its call"),
+            ("--gap-ms", MEASURED.gap_ms, "a worker's time between two calls"),
+        ):
+            parser.add_argument(
+                name, type=float, default=value, help=f"{what} (default {value}, measured)"
+            )
         parser.add_argument("--web-node-cores", type=int, default=16)
         parser.add_argument(
             "--web-utilisation",
@@ -129,7 +150,9 @@ class Command(BaseCommand):
         write(f"  GPUs needed:           {plan.gpus}")
         write(
             f"  analytic lower bound:  {plan.lower_bound}  "
-            f"(ceil({base.rate_rps:,.0f} x {base.batch_ms / 1000:g} s / {base.max_batch}))"
+            f"(full batches carry more than {base.rate_rps:,.0f} req/s: "
+            f"{base.rate_rps:,.0f} x ({base.batch_ms:g} + {base.gap_ms:g}) ms / {base.max_batch}"
+            f" = {base.full_batch_gpus:.2f} GPUs busy)"
         )
         write(
             f"  predicted goodput:     {out.goodput_rps:,.0f} req/s "
@@ -144,6 +167,11 @@ class Command(BaseCommand):
             + " / ".join(_ms(out.percentile_ms(p)) for p in (50, 95, 99))
         )
         write(f"  web nodes:             {options.web_nodes(base.rate_rps)}  ({options.web_basis})")
+        write(
+            f"  fixed costs:           {base.dispatch_ms:g} ms dispatch, {base.gap_ms:g} ms "
+            f"between calls, {base.path_ms:g} ms back to the client"
+            + (f"  ({MEASURED.source})" if options.measured_costs else "")
+        )
         tried = ", ".join(
             f"{gpus}: p{q:g} {_ms(o.percentile_ms(q))}" for gpus, o in sorted(plan.tried.items())
         )

@@ -1,0 +1,49 @@
+"""The fixed costs around a GPU call that the capacity planner simulates with, as measured.
+
+`python -m bench.gap --write-costs` (bench/gap.py) measures them on real processes and writes
+planning/costs.json, with the date, machine and command of the measurement:
+  gap_ms       a worker's time from the end of one call to the start of the next, with work
+               queued: its median under open-loop load above saturation;
+  dispatch_ms  a lone request's trip from the client's send to its call's start (web process,
+               the batch's Redis append, the task's trip through Redis and Celery, the seal):
+               median, one request at a time;
+  path_ms      a call's end to the answer at the client (the answers' publication, the web
+               process's wake-up, the response): median, one request at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+COSTS_FILE = Path(__file__).with_name("costs.json")
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    gap_ms: float
+    dispatch_ms: float
+    path_ms: float
+    measured: str  # the date
+    machine: str
+    command: str
+
+    @classmethod
+    def load(cls, path: Path = COSTS_FILE) -> MeasuredCosts:
+        raw = json.loads(path.read_text())
+        return cls(
+            gap_ms=float(raw["gap_ms"]),
+            dispatch_ms=float(raw["dispatch_ms"]),
+            path_ms=float(raw["path_ms"]),
+            measured=str(raw["measured"]),
+            machine=str(raw["machine"]),
+            command=str(raw["command"]),
+        )
+
+    @property
+    def source(self) -> str:
+        return f"measured by `{self.command}` on {self.measured} ({self.machine})"
+
+
+MEASURED = MeasuredCosts.load()

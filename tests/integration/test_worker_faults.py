@@ -1,0 +1,226 @@
+"""A GPU worker that hangs or dies, and the supervisor of `make run`, on real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from batching.aggregator import HELD_SUFFIX, BatchAggregator
+from inference_site.lib.embedded_redis import free_port
+from inference_site.lib.stack import ROOT, Stack
+from tests.support import unique_queue
+from tests.support.http import Reply, request, sample
+from tests.support.probe_sampler import stuck_call_key
+from workers.lifecycle import EXIT_HUNG_CALL
+from workers.samplers.simulated import expected_completion
+
+pytestmark = pytest.mark.integration
+
+PROBE = "tests.support.probe_sampler:ProbeSampler"
+CALL_TIMEOUT_MS = 1000
+DEADLINE_MS = 3000  # past the call timeout: a hung batch is cut off, not timed out
+
+
+@dataclass(frozen=True)
+class StuckCall:
+    pid: int  # of the worker running it
+    prompts: list[str]
+    started_at: float  # epoch seconds
+
+
+def stuck_call(client: redis.Redis, queue: str, timeout_s: float = 5) -> StuckCall:
+    """The probe's record of the hung or slow call, once it has started."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        raw = client.get(stuck_call_key(queue))
+        if raw:
+            call = json.loads(raw)
+            return StuckCall(int(call["pid"]), list(call["prompts"]), float(call["started_at"]))
+        time.sleep(0.005)
+    raise AssertionError("the probe sampler never started the call")
+
+
+def worker_with_pid(stack: Stack, pid: int) -> subprocess.Popen[bytes]:
+    (worker,) = [w for w in stack.workers if w.pid == pid]
+    return worker
+
+
+def live_workers(stack: Stack) -> int:
+    client = redis.Redis.from_url(stack.env["REDIS_URL"])
+    return BatchAggregator(client, stack.env["SAMPLING_QUEUE"]).live_workers()
+
+
+def test_a_hung_call_is_answered_502_at_the_timeout_and_its_worker_leaves(
+    start_stack: Callable[..., Stack],
+) -> None:
+    stack = start_stack(
+        "hung",
+        env={
+            "SAMPLER": PROBE,
+            "SAMPLING_CALL_TIMEOUT_MS": str(CALL_TIMEOUT_MS),
+            "SAMPLING_DEADLINE_MS": str(DEADLINE_MS),
+        },
+        gpus=[0, 1],
+    )
+    client = redis.Redis.from_url(stack.env["REDIS_URL"])
+    queue = stack.env["SAMPLING_QUEUE"]
+    while live_workers(stack) < 2:
+        time.sleep(0.1)
+    prompts = ["hang: forever"] + [f"alongside {i}" for i in range(5)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(lambda p: (sample(stack.base_url, p), time.time()), prompts))
+    first = dict(zip(prompts, replies, strict=True))
+    hung = stuck_call(client, queue)
+    members = set(hung.prompts)
+    assert "hang: forever" in members
+    for prompt, (reply, answered_at) in first.items():
+        if prompt in members:
+            assert reply.status == 502, reply.body
+            assert "timed out" in reply.body
+            # Cut off at the timeout, not at the deadline.
+            assert answered_at - hung.started_at >= CALL_TIMEOUT_MS / 1000
+            assert answered_at - hung.started_at <= CALL_TIMEOUT_MS / 1000 + 0.05
+        else:  # joined a batch of the other worker
+            assert (reply.status, reply.body) == (200, expected_completion(prompt))
+    # Out of admission and /readyz at once (its goodbye follows the answers by a round
+    # trip), and gone for its supervisor to restart it.
+    wait_for(lambda: live_workers(stack) == 1, 0.2, "the hung worker out of admission")
+    assert worker_with_pid(stack, hung.pid).wait(timeout=5) == EXIT_HUNG_CALL
+    # The other worker serves everything else.
+    for i in range(5):
+        prompt = f"after the hang {i}"
+        assert sample(stack.base_url, prompt).body == expected_completion(prompt)
+    assert request(stack.base_url, "/readyz", method="GET").status == 200
+
+
+def test_a_worker_killed_mid_call_loses_only_the_batch_it_was_running(
+    start_stack: Callable[..., Stack],
+) -> None:
+    """Under load, one of two workers is SIGKILLed while it runs a (slow) call and holds the
+    next batch, received ahead of its seal: the held batch is handed over to the other
+    worker, and only the requests of the running call are lost (504 at their deadline)."""
+    stack = start_stack(
+        "killed", env={"SAMPLER": PROBE, "SAMPLING_DEADLINE_MS": str(DEADLINE_MS)}, gpus=[0, 1]
+    )
+    client = redis.Redis.from_url(stack.env["REDIS_URL"])
+    queue = stack.env["SAMPLING_QUEUE"]
+    keys = BatchAggregator(client, queue).keys
+    while live_workers(stack) < 2:
+        time.sleep(0.1)
+    replies: dict[str, Reply] = {}
+    stop = threading.Event()
+
+    def load(lane: int) -> None:  # about 100 req/s over 10 lanes
+        count = 0
+        while not stop.is_set():
+            prompt = f"load {lane} {count}"
+            replies[prompt] = sample(stack.base_url, prompt)
+            count += 1
+
+    with ThreadPoolExecutor(11) as pool:
+        lanes = [pool.submit(load, lane) for lane in range(10)]
+        time.sleep(0.5)
+        slow = pool.submit(sample, stack.base_url, "slow: to be killed")
+        running = stuck_call(client, queue)
+        # The worker asked for its next task near the expected end of its call: it holds a
+        # batch it has not sealed when it dies.
+        deadline = time.monotonic() + 2
+        held: list[bytes] = []
+        while not held and time.monotonic() < deadline:
+            due = client.zrange(keys.handover_due, 0, -1)
+            held = [member for member in due if member.endswith(HELD_SUFFIX.encode())]
+        assert held, "the slow call's worker never held its next batch"
+        os.kill(running.pid, signal.SIGKILL)
+        time.sleep(DEADLINE_MS / 1000 + 0.5)
+        stop.set()
+        for lane in lanes:
+            lane.result()
+        replies["slow: to be killed"] = slow.result()
+    lost = {prompt for prompt, reply in replies.items() if reply.status != 200}
+    assert lost == set(running.prompts)
+    for prompt in lost:
+        assert replies[prompt].status == 504
+        assert replies[prompt].seconds < DEADLINE_MS / 1000 + 0.1
+    for prompt, reply in replies.items():
+        if prompt not in lost:
+            assert reply.body == expected_completion(prompt)
+
+
+MakeRun = tuple[subprocess.Popen[bytes], Path, dict[str, str]]
+
+
+@pytest.fixture
+def make_run(redis_url: str, tmp_path: Path) -> Iterator[MakeRun]:
+    """What `make run` runs after installing, on the tests' Redis, with the simulated farm."""
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "SAMPLER": "simulated",
+        "SAMPLING_QUEUE": unique_queue("supervised"),
+        "PORT": str(free_port()),
+        "WEB_CONCURRENCY": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    output = tmp_path / "make-run.log"
+    with output.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "inference_site.lib.stack"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        yield process, output, env
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def test_make_run_starts_a_worker_that_exits_again(make_run: MakeRun) -> None:
+    process, output, env = make_run
+    base_url = f"http://127.0.0.1:{env['PORT']}"
+    client = redis.Redis.from_url(env["REDIS_URL"])
+    keys = BatchAggregator(client, env["SAMPLING_QUEUE"]).keys
+
+    def worker_pid() -> int | None:
+        names = [name.decode() for name in client.zrange(keys.known_workers, 0, -1)]
+        for name in names:
+            raw = client.get(keys.worker_info(name))
+            if raw and json.loads(raw)["state"] in ("idle", "busy"):
+                return int(json.loads(raw)["pid"])
+        return None
+
+    wait_for(lambda: b"Ready:" in output.read_bytes(), 90, "make run ready")
+    wait_for(worker_pid, 10, "a worker's heartbeat")
+    first = worker_pid()
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: b"started again" in output.read_bytes(), 15, "the worker started again")
+    log = output.read_text()
+    assert f"(pid {first}) exited with status -9" in log
+    wait_for(lambda: worker_pid() not in (None, first), 60, "the new worker's heartbeat")
+    wait_for(lambda: request(base_url, "/readyz", method="GET").status == 200, 30, "ready")
+    assert sample(base_url, "E equals ").body == "MC squared"
+    assert process.poll() is None  # make run goes on
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0

@@ -1,0 +1,221 @@
+"""The worker's batch pipeline (GPU, reporter and watchdog threads) on a real Redis.
+
+Celery's side is played by the test: it calls `submit` as the run_batch task does, one batch
+at a time. The answers leave through a `queue_answers` that queues an RPUSH of them on the
+pipeline it is given, so the test reads what was published, in order, from Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from batching.aggregator import HELD_SUFFIX, BatchAggregator
+from batching.outcomes import ItemOutcome
+from tests.support import unique_queue
+from workers.pipeline import BatchPipeline
+from workers.runner import BatchRunner, Result
+from workers.samplers.base import PromptRejected, Sampler
+
+
+class TimedSampler(Sampler):
+    """Sleeps `call_s` a call and notes when each call started and ended; a prompt "hang"
+    blocks until the test releases it (a hung GPU call)."""
+
+    name = "timed"
+
+    def __init__(self, call_s: float) -> None:
+        self.call_s = call_s
+        self.calls: list[tuple[list[str], float, float | None]] = []
+        self.release = threading.Event()
+
+    def sample(self, prompts: list[str]) -> list[str | PromptRejected]:
+        started = time.monotonic()
+        self.calls.append((list(prompts), started, None))
+        if "hang" in prompts:
+            self.release.wait()
+        time.sleep(self.call_s)
+        self.calls[-1] = (list(prompts), started, time.monotonic())
+        return [prompt.upper() for prompt in prompts]
+
+    @property
+    def running(self) -> bool:
+        return bool(self.calls) and self.calls[-1][2] is None
+
+
+class Harness:
+    def __init__(self, client: redis.Redis, call_s: float = 0.05, **options: Any) -> None:
+        self.client = client
+        self.aggregator = BatchAggregator(client, unique_queue("pipe"), deadline_ms=5000)
+        self.sampler = TimedSampler(call_s)
+        self.runner = BatchRunner(self.aggregator, self.sampler, "w")
+        self.runner.estimate_ms = call_s * 1000
+        self.published_key = f"test:{{{self.aggregator.queue}}}:published"
+        self.failures: list[tuple[str, Exception]] = []
+        self.resent: list[str] = []
+        self.hung: list[tuple[str, float]] = []
+        self.pipeline = BatchPipeline(
+            self.runner,
+            queue_answers=self.queue_answers,
+            store_failure=lambda batch_id, exc: self.failures.append((batch_id, exc)),
+            resend=self.resent.append,
+            on_hung=lambda batch_id, ran_ms: self.hung.append((batch_id, ran_ms)),
+            **options,
+        ).start()
+
+    def queue_answers(
+        self, pipe: redis.client.Pipeline, batch_id: str, answers: list[Result]
+    ) -> None:
+        pipe.rpush(self.published_key, json.dumps([batch_id, answers]))
+
+    def batch(self, *prompts: str) -> str:
+        tickets = [self.aggregator.append(prompt, 5000) for prompt in prompts]
+        assert len({t.batch_id for t in tickets}) == 1
+        return tickets[0].batch_id
+
+    def next_batch(self, *prompts: str) -> str:
+        """A batch of its own: close the open one to newcomers first."""
+        self.client.delete(self.aggregator.keys.open_batch)
+        return self.batch(*prompts)
+
+    def published(self, count: int, timeout_s: float = 5.0) -> list[tuple[str, list[Result]]]:
+        deadline = time.monotonic() + timeout_s
+        while self.client.llen(self.published_key) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return [tuple(json.loads(raw)) for raw in self.client.lrange(self.published_key, 0, -1)]
+
+
+MakeHarness = Callable[..., Harness]
+
+
+@pytest.fixture
+def harness(redis_client: redis.Redis) -> Iterator[MakeHarness]:
+    made: list[Harness] = []
+
+    def make(**options: Any) -> Harness:
+        made.append(Harness(redis_client, **options))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.sampler.release.set()
+        each.pipeline.close(timeout_s=5)
+
+
+def test_every_batch_is_answered_in_order_and_recorded(harness: MakeHarness) -> None:
+    h = harness()
+    batches = [h.next_batch(f"a{i}", f"b{i}") for i in range(3)]
+    for batch_id in batches:
+        h.pipeline.submit(batch_id)
+    published = h.published(3)
+    assert published == [
+        (batch_id, [[ItemOutcome.OK, f"A{i}"], [ItemOutcome.OK, f"B{i}"]])
+        for i, batch_id in enumerate(batches)
+    ]
+    deadline = time.monotonic() + 5
+    while len(h.aggregator.recent_batches()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    records = [json.loads(raw) for raw in h.aggregator.recent_batches()]
+    assert sorted(r["batch_id"] for r in records) == sorted(batches)
+
+
+def test_celery_gets_control_back_before_the_call_ends(harness: MakeHarness) -> None:
+    # A lead longer than the default so that a slow CI runner cannot blur the order.
+    h = harness(call_s=0.6, prefetch_lead_ms=200)
+    batch_id = h.batch("slow")
+    started = time.monotonic()
+    h.pipeline.submit(batch_id)
+    returned = time.monotonic()
+    # Back near the end of the call, while the call still runs: Celery fetches the next task
+    # while the GPU is busy, and not long before it is free.
+    assert h.sampler.running
+    assert returned - started >= 0.6 - 0.2 - 0.05
+
+
+def test_a_batch_received_while_the_gpu_is_busy_is_held_then_sealed(harness: MakeHarness) -> None:
+    h = harness(call_s=0.6, prefetch_lead_ms=200)
+    first = h.batch("first")
+    h.pipeline.submit(first)
+    assert h.sampler.running
+    second = h.next_batch("second")
+    submitted = threading.Thread(target=h.pipeline.submit, args=(second,))
+    submitted.start()
+    deadline = time.monotonic() + 1
+    held = None
+    while held is None and time.monotonic() < deadline:
+        held = h.client.zscore(h.aggregator.keys.handover_due, second + HELD_SUFFIX)
+    assert held is not None  # due for a hand-over if this worker died before the seal
+    submitted.join(5)
+    assert [batch for batch, _ in h.published(2)] == [first, second]
+    # Sealed by this worker: no longer due for a hand-over.
+    assert h.client.zscore(h.aggregator.keys.handover_due, second + HELD_SUFFIX) is None
+
+
+def test_a_batch_with_nothing_left_to_sample_is_answered_without_a_call(
+    harness: MakeHarness,
+) -> None:
+    h = harness()
+    ticket = h.aggregator.append("too late", 1)  # due in 1 ms: expired by the seal
+    time.sleep(0.01)
+    h.pipeline.submit(ticket.batch_id)
+    assert h.published(1) == [
+        (ticket.batch_id, [[ItemOutcome.EXPIRED, "deadline could not be met"]])
+    ]
+    assert h.sampler.calls == []
+
+
+def test_the_same_task_twice_runs_the_batch_once(harness: MakeHarness) -> None:
+    h = harness()
+    batch_id = h.batch("once")
+    h.pipeline.submit(batch_id)
+    h.pipeline.submit(batch_id)  # a hand-over's duplicate: nothing to run, and no wait
+    after = h.next_batch("after")
+    h.pipeline.submit(after)
+    assert [batch for batch, _ in h.published(2)] == [batch_id, after]
+    assert [prompts for prompts, _, _ in h.sampler.calls] == [["once"], ["after"]]
+
+
+def test_a_hung_call_is_cut_off_answered_and_its_waiting_batch_sent_again(
+    harness: MakeHarness,
+) -> None:
+    h = harness(call_timeout_ms=300)
+    hung = h.batch("hang", "bystander")
+    started = time.monotonic()
+    h.pipeline.submit(hung)
+    waiting = h.next_batch("next")
+    threading.Thread(target=h.pipeline.submit, args=(waiting,), daemon=True).start()
+    deadline = time.monotonic() + 3
+    while not h.hung and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert [batch for batch, _ in h.hung] == [hung]
+    assert h.hung[0][1] >= 300
+    assert time.monotonic() - started < 2  # cut off, not waited for
+    ((batch_id, answers),) = h.published(1)
+    assert batch_id == hung
+    assert [outcome for outcome, _ in answers] == [ItemOutcome.ERROR, ItemOutcome.ERROR]
+    assert "timed out after" in answers[0][1]
+    assert h.resent == [waiting]  # received, never sealed: another worker runs it
+
+
+def test_the_automatic_call_timeout_follows_the_estimate(harness: MakeHarness) -> None:
+    h = harness()
+    h.runner.estimate_ms = 100
+    assert h.pipeline.call_timeout_ms() == 2000  # at least 2 s
+    h.runner.estimate_ms = 900
+    assert h.pipeline.call_timeout_ms() == 9000  # 10 calls
+
+
+def test_close_finishes_the_running_call_and_publishes_it(harness: MakeHarness) -> None:
+    h = harness(call_s=0.2)
+    batch_id = h.batch("last")
+    h.pipeline.submit(batch_id)
+    h.pipeline.close(timeout_s=5)
+    assert [batch for batch, _ in h.published(1, timeout_s=0)] == [batch_id]
+    with pytest.raises(RuntimeError, match="closed"):
+        h.pipeline.submit(h.next_batch("too late"))

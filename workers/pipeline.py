@@ -1,0 +1,293 @@
+"""A GPU worker's batch pipeline: the GPU never waits for the worker between two calls.
+
+Three threads share a BatchRunner:
+  - Celery's (the solo pool runs a task in the worker's main thread) hands each batch over
+    with `submit` and returns to Celery when the batch's call nears its end, so Celery takes
+    the next task message while the GPU is still busy;
+  - the GPU thread owns the sampler. Between two calls it does only what cannot move: the
+    seal of the next batch (one round trip, lazy: the batch takes everything appended until
+    the GPU is free for it), in memory the deadline drops, then the call. With no batch
+    waiting when a call ends, it publishes the call's answers itself, at once;
+  - the reporter thread does the rest while the GPU already runs the next call: first the
+    last batch's answers (the waiters wake on them; published after the next call started,
+    not before: the web processes they wake would compete for the CPU the seal needs), then
+    the batch's record, statistics and metrics.
+A watchdog thread cuts off a call that runs past the call timeout: it answers the batch's
+requests at once with an error, hands a batch received but not sealed back to the queue, and
+ends the process through `on_hung` (a call cannot be interrupted in place; the supervisor
+starts a fresh worker).
+
+Why a task returns only near its call's end (PREFETCH_LEAD_MS), not at once: Redis hands a
+queued task to the worker whose BRPOP has waited longest, so a worker that asked for the next
+task as soon as its call started would take batches that an idle worker could run at once.
+Asking in the last few milliseconds of the call keeps the property that made prefetch 1
+right (no batch waits behind a busy GPU while another is idle, but for those milliseconds),
+and a batch received early is marked held (BatchAggregator.hold) so that it is handed over if
+this worker dies before sealing it.
+
+Django- and Celery-free: `queue_answers` queues the commands that store and publish a batch's
+answers (batching.results.queue_success in a worker), `store_failure` stores a batch's
+failure, `resend` sends a batch's task again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from workers.runner import BatchRunner, Result, Turn
+
+log = logging.getLogger(__name__)
+
+# Celery takes the next task message when the running call is expected to end within this
+# long: more than a message's trip through Redis and Celery into `submit` (~2 ms on an idle
+# 2-core machine, up to ~8 ms under load), little enough that a batch rarely waits for a busy
+# GPU while another GPU is idle.
+PREFETCH_LEAD_MS = 10.0
+# A call that runs past max(this, CALL_TIMEOUT_ESTIMATES x the call estimate) is hung, unless
+# SAMPLING_CALL_TIMEOUT_MS fixes the timeout.
+MIN_CALL_TIMEOUT_MS = 2000
+CALL_TIMEOUT_ESTIMATES = 10
+
+
+def auto_call_timeout_ms(estimate_ms: float) -> float:
+    return max(MIN_CALL_TIMEOUT_MS, CALL_TIMEOUT_ESTIMATES * estimate_ms)
+
+
+@dataclass(frozen=True)
+class _Report:
+    """For the reporter: a finished turn (its answers to publish first, or out already), or
+    the exception that failed a batch whole."""
+
+    batch_id: str
+    outcome: Turn | Exception
+    publish: bool = False
+
+
+class BatchPipeline:
+    def __init__(
+        self,
+        runner: BatchRunner,
+        *,
+        queue_answers: Callable[[redis.client.Pipeline, str, list[Result]], None],
+        store_failure: Callable[[str, Exception], None],
+        resend: Callable[[str], None],
+        on_hung: Callable[[str, float], None],
+        call_timeout_ms: float | None = None,
+        prefetch_lead_ms: float = PREFETCH_LEAD_MS,
+    ) -> None:
+        """`on_hung(batch_id, ran_ms)` is called, once the batch has its answers, when a call
+        is cut off, and must not return (the process exits). `call_timeout_ms` None: the
+        automatic timeout from the call estimate."""
+        self.runner = runner
+        self._queue_answers = queue_answers
+        self._store_failure = store_failure
+        self._resend = resend
+        self._on_hung = on_hung
+        self._call_timeout_ms = call_timeout_ms
+        self._lead_s = prefetch_lead_ms / 1000
+        self._changed = threading.Condition()
+        # All below guarded by _changed.
+        self._waiting: str | None = None  # handed over, not yet taken by the GPU thread
+        self._taken: str | None = None  # the batch the GPU thread seals or samples
+        self._turn: Turn | None = None  # its turn, once sealed
+        self._call_started: float | None = None  # monotonic start of the turn's calls
+        # Batches handed over and batches whose calls are over, counted: the n-th `submit`
+        # returns at the latest when `_finished` reaches n (a batch id can come twice).
+        self._submitted = 0
+        self._finished = 0
+        self._closed = False
+        # For the reporter: a sampled turn whose answers are out, or a batch that failed.
+        self._reports: queue.SimpleQueue[_Report | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._gpu_loop, name="gpu", daemon=True),
+            threading.Thread(target=self._report_loop, name="reporter", daemon=True),
+            threading.Thread(target=self._watchdog_loop, name="watchdog", daemon=True),
+        ]
+
+    def start(self) -> BatchPipeline:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def call_timeout_ms(self) -> float:
+        if self._call_timeout_ms is not None:
+            return self._call_timeout_ms
+        return auto_call_timeout_ms(self.runner.estimate_ms)
+
+    # --- Celery's thread -------------------------------------------------------------------
+    def submit(self, batch_id: str) -> None:
+        """Hand the batch to the GPU thread; return when Celery may take the next task: the
+        batch's call is about to end, or the batch is done."""
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("the batch pipeline is closed")
+            if self._waiting is not None:  # never: a task returns only once its batch is taken
+                raise RuntimeError(f"batch {self._waiting} is still waiting for the GPU")
+            self._waiting = batch_id
+            self._submitted += 1
+            number = self._submitted
+            gpu_busy = self._taken is not None
+            seal_in_s = self._expected_end_s() - time.monotonic()
+            self._changed.notify_all()
+        if gpu_busy:
+            try:
+                self.runner.aggregator.hold(batch_id, seal_in_s * 1000)
+            except redis.RedisError as exc:  # only a death before the seal would need it
+                log.warning("batch %s received early but not marked held: %s", batch_id, exc)
+        with self._changed:
+            while (wait_s := self._prefetch_wait_s(number)) != 0.0:
+                self._changed.wait(wait_s)
+
+    def _expected_end_s(self) -> float:
+        """When the GPU thread's current turn should end (monotonic); now when idle."""
+        if self._call_started is None or self._turn is None:
+            return time.monotonic()
+        calls = len(self._turn.chunks)
+        return self._call_started + calls * self.runner.estimate_ms / 1000
+
+    def _prefetch_wait_s(self, number: int) -> float | None:
+        """0.0 once Celery may take the task after the `number`-th; else how long to wait at
+        most (None: until the GPU thread says something)."""
+        if self._finished >= number:
+            return 0.0
+        if self._waiting is not None or self._call_started is None:
+            return None  # not taken yet, or being sealed
+        return max(0.0, self._expected_end_s() - self._lead_s - time.monotonic())
+
+    # --- the GPU thread --------------------------------------------------------------------
+    def _gpu_loop(self) -> None:
+        unpublished: Turn | None = None  # sampled, its answers not out yet
+        while True:
+            with self._changed:
+                while self._waiting is None and unpublished is None and not self._closed:
+                    self._changed.wait()
+                batch_id, self._waiting = self._waiting, None
+                self._taken = batch_id
+            if batch_id is None:
+                if unpublished is None:
+                    return  # closed, and nothing left to answer
+                # No batch for the GPU: the answers leave at once, from here.
+                self._publish(unpublished.batch_id, unpublished.answers)
+                self._reports.put(_Report(unpublished.batch_id, unpublished))
+                unpublished = None
+                continue
+            try:
+                unpublished = self._run(batch_id, unpublished)
+            except Exception as exc:  # a bug of ours: fail the batch, keep the GPU thread
+                log.exception("batch %s failed in the GPU thread", batch_id)
+                self._reports.put(_Report(batch_id, exc))
+                unpublished = None
+            finally:
+                with self._changed:
+                    self._taken, self._turn, self._call_started = None, None, None
+                    self._finished += 1
+                    self._changed.notify_all()
+
+    def _run(self, batch_id: str, unpublished: Turn | None) -> Turn | None:
+        """Seal `batch_id`, have the reporter publish `unpublished`'s answers, and sample the
+        batch; return its turn, sampled (None when it has no call)."""
+        try:
+            turn = self.runner.begin(batch_id)
+        except Exception as exc:  # Redis lost mid-seal, say: the batch fails, the worker stays
+            log.exception("batch %s could not be sealed", batch_id)
+            self._reports.put(_Report(batch_id, exc))
+            turn = None
+        if unpublished is not None:
+            self._reports.put(_Report(unpublished.batch_id, unpublished, publish=True))
+        if turn is None:
+            return None  # failed, or a duplicate task: the batch was sealed before
+        if not turn.chunks:  # every item expired: answered without a call
+            self._reports.put(_Report(batch_id, turn, publish=True))
+            return None
+        with self._changed:
+            self._turn, self._call_started = turn, time.monotonic()
+            self._changed.notify_all()
+        self.runner.sample(turn)  # a sampler's failure is its items' answers, not raised
+        return turn
+
+    def _publish(self, batch_id: str, answers: list[Result]) -> None:
+        try:
+            with self.runner.aggregator.client.pipeline(transaction=False) as pipe:
+                self._queue_answers(pipe, batch_id, answers)
+                pipe.execute()
+        except Exception:  # the members time out at their deadline instead
+            log.exception("the answers of batch %s could not be published", batch_id)
+
+    # --- the reporter thread ---------------------------------------------------------------
+    def _report_loop(self) -> None:
+        while (report := self._reports.get()) is not None:
+            batch_id, outcome = report.batch_id, report.outcome
+            try:
+                if isinstance(outcome, Exception):
+                    self._store_failure(batch_id, outcome)
+                    continue
+                if report.publish:
+                    self._publish(batch_id, outcome.answers)
+                self.runner.finish(outcome)
+            except Exception:  # a lost record must never stop the reports of the next
+                log.exception("batch %s could not be reported", batch_id)
+
+    # --- the watchdog thread ---------------------------------------------------------------
+    def _watchdog_loop(self) -> None:
+        while True:
+            with self._changed:
+                if self._closed:
+                    return
+                turn, started = self._turn, self.runner.busy_since
+                if turn is None:
+                    self._changed.wait()  # until a turn's calls start
+                    continue
+                if started is None:  # just before the turn's first call, or between two
+                    self._changed.wait(0.005)
+                    continue
+                remaining_s = started + self.call_timeout_ms() / 1000 - time.monotonic()
+                if remaining_s > 0:
+                    self._changed.wait(remaining_s)
+                    continue
+                waiting = self._waiting
+            self._cut_off(turn, started, waiting)
+            return  # on_hung ends the process; a pipeline with a hung call runs nothing more
+
+    def _cut_off(self, turn: Turn, started: float, waiting: str | None) -> None:
+        ran_ms = (time.monotonic() - started) * 1000
+        log.critical(
+            "sampler call on batch %s has run %.0f ms, past the %.0f ms call timeout: "
+            "answering its requests with an error and leaving",
+            turn.batch_id,
+            ran_ms,
+            self.call_timeout_ms(),
+        )
+        reason = f"sampler call timed out after {ran_ms:.0f} ms"
+        self._publish(turn.batch_id, turn.answers_failing_the_rest(reason))
+        if waiting is not None:  # received, never sealed: another worker runs it
+            try:
+                self._resend(waiting)
+            except Exception:  # its hold hands it over at the next request anyway
+                log.exception("batch %s could not be sent again", waiting)
+        self._on_hung(turn.batch_id, ran_ms)
+
+    def drain_reports(self, timeout_s: float) -> None:
+        """Let the reporter finish what it has (records, statistics) and stop: a process that
+        leaves because of a hung call calls it, bounded, before it exits."""
+        self._reports.put(None)
+        self._threads[1].join(timeout_s)
+
+    # --- shutdown --------------------------------------------------------------------------
+    def close(self, timeout_s: float) -> None:
+        """Finish the batch on the GPU (and one handed over), publish every answer, stop."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        gpu, reporter, _ = self._threads
+        if gpu.is_alive():
+            gpu.join(timeout_s)
+        self._reports.put(None)
+        if reporter.is_alive():
+            reporter.join(timeout_s)
