@@ -287,6 +287,9 @@ class Bench:
                 and sum(1 for j in range(len(sent)) if j != i and sent[j] <= at < answered[j])
                 < workers
             ]
+            for outcome, example in results.examples.items():
+                if outcome != RequestOutcome.OK:
+                    print(f"  {tree.name:<8} lone: {outcome}: {example}", flush=True)
             self.record(
                 tree,
                 "lone",
