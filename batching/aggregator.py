@@ -42,6 +42,9 @@ from batching.policy import MAX_BATCH_SIZE, Policy
 DISPATCH_GRACE_MS = 100
 # The hand-over member of a batch that a worker holds (see `hold`), after the batch's id.
 HELD_SUFFIX = ":held"
+# Every worker looks this often for batches due for a hand-over: all of a dead worker's
+# clients may be waiting in the batch it held, and then no request comes to hand it over.
+HANDOVER_SCAN_MS = 100
 # A worker that has not heartbeated for this long is not counted (admission, /readyz).
 HEARTBEAT_TIMEOUT_MS = 5000
 # The last batch records kept for operators, tests and the benchmark.
@@ -140,6 +143,32 @@ return items
 """
 )
 
+# KEYS: hand-over due (zset); ARGV: batch key prefix, dispatch grace ms, at most this many
+# The batches due for a hand-over, taken as the APPEND takes one (re-armed when its dispatch is
+# unconfirmed, removed when held): for the workers, which look every HANDOVER_SCAN_MS so
+# that a batch is handed over even when no request comes after it.
+TAKE_DUE_LUA = (
+    _NOW_LUA
+    + """
+local taken = {}
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
+for _, member in ipairs(due) do
+  local due_bid = string.match(member, '^[^:]+')
+  if redis.call('EXISTS', ARGV[1] .. due_bid) == 1 then
+    table.insert(taken, due_bid)
+    if due_bid == member then
+      redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), member)
+    else
+      redis.call('ZREM', KEYS[1], member)
+    end
+  else
+    redis.call('ZREM', KEYS[1], member)
+  end
+end
+return taken
+"""
+)
+
 # KEYS: unsealed batches (zset), hand-over due (zset); ARGV: held member, batch id, due in ms
 # A batch still unsealed becomes due for a hand-over at now + due in ms; returns 1, or 0 when
 # the batch is sealed already (nothing to hold).
@@ -233,6 +262,7 @@ class BatchAggregator:
         self._seal = client.register_script(SEAL_LUA)
         self._heartbeat = client.register_script(HEARTBEAT_LUA)
         self._hold = client.register_script(HOLD_LUA)
+        self._take_due = client.register_script(TAKE_DUE_LUA)
 
     def configure(self, *, max_batch_size: int, deadline_ms: int) -> None:
         """Apply a policy: called at start and by the policy watcher when it changes."""
@@ -244,7 +274,7 @@ class BatchAggregator:
 
     def load_scripts(self) -> None:
         """Load the Lua scripts into Redis now rather than on a request's first NOSCRIPT."""
-        for script in (self._append, self._seal, self._heartbeat, self._hold):
+        for script in (self._append, self._seal, self._heartbeat, self._hold, self._take_due):
             self.client.script_load(script.script)
 
     def append(self, prompt: str, budget_ms: int) -> Ticket:
@@ -284,6 +314,14 @@ class BatchAggregator:
                 args=[batch_id + HELD_SUFFIX, batch_id, due_in_ms],
             )
         )
+
+    def take_due_handovers(self, limit: int = 10) -> list[str]:
+        """Batches due for a hand-over, whose tasks the caller sends again: each due one is
+        taken by one caller (a worker's scan, or a request's APPEND)."""
+        taken = self._take_due(
+            keys=[self.keys.handover_due], args=[self.keys.batch_prefix, DISPATCH_GRACE_MS, limit]
+        )
+        return [batch_id.decode() for batch_id in taken]
 
     def seal(self, batch_id: str) -> SealedBatch:
         keys = self.keys

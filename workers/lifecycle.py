@@ -23,7 +23,7 @@ from celery.backends.redis import RedisBackend
 from django.conf import settings
 
 from batching import stats
-from batching.aggregator import HEARTBEAT_TIMEOUT_MS, BatchAggregator
+from batching.aggregator import HANDOVER_SCAN_MS, HEARTBEAT_TIMEOUT_MS, BatchAggregator
 from batching.policy import PolicyWatcher, policy_from_settings
 from batching.protocol import RUN_BATCH_TASK
 from batching.results import queue_success
@@ -138,6 +138,24 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
     # sampler whatever the pool (solo: the worker itself; prefork: the child).
     _stop.clear()
     threading.Thread(target=_heartbeat_loop, args=(runner,), name="heartbeat", daemon=True).start()
+    threading.Thread(
+        target=_handover_loop,
+        args=(aggregator, _resender(aggregator.queue)),
+        name="handover",
+        daemon=True,
+    ).start()
+
+
+def _handover_loop(aggregator: BatchAggregator, resend: Callable[[str], None]) -> None:
+    """Send again the task of any batch due for a hand-over (a dispatcher or a worker died
+    before the send or the seal), even when no request comes after it to do so."""
+    while not _stop.wait(HANDOVER_SCAN_MS / 1000):
+        try:
+            for batch_id in aggregator.take_due_handovers():
+                log.warning("batch %s was due for a hand-over: sending its task again", batch_id)
+                resend(batch_id)
+        except Exception as exc:  # noqa: BLE001 - Redis or the broker away: the next scan tries
+            log.warning("hand-over scan failed: %s", exc)
 
 
 def _heartbeat_loop(runner: BatchRunner) -> None:

@@ -242,3 +242,16 @@ def test_a_sealed_batch_is_neither_held_nor_handed_over(aggregator: BatchAggrega
     assert not aggregator.hold(held.batch_id, seal_in_ms=0)  # nothing left to hold
     time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
     assert aggregator.append("after", 5000).handover == ""
+
+
+def test_a_worker_scan_takes_each_due_batch_once(aggregator: BatchAggregator) -> None:
+    """With no request after it (every client waits in it), a held batch of a dead worker is
+    taken by the other workers' scan instead."""
+    held = aggregator.append("everyone waits here", 5000)
+    aggregator.dispatched(held.batch_id)
+    assert aggregator.hold(held.batch_id, seal_in_ms=0)
+    assert aggregator.take_due_handovers() == []  # not due yet
+    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
+    assert aggregator.take_due_handovers() == [held.batch_id]
+    assert aggregator.take_due_handovers() == []  # taken once
+    assert aggregator.append("a later request", 5000).handover == ""
