@@ -55,6 +55,32 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
+# take_due(key, batch prefix, now, grace ms, limit): the ids of up to `limit` batches due for a
+# hand-over in zset `key`, each taken by this caller alone. A batch whose dispatch is not
+# confirmed is re-armed (one caller at a time sends its task again, until it is confirmed or
+# sealed); a held batch is taken once: its holder may only be slower than it expected (a
+# call longer than its estimate), and a task sent again queues like any other. A member
+# whose batch is gone (sealed, expired) is dropped.
+_TAKE_DUE_LUA = """
+local function take_due(key, batch_prefix, now, grace, limit)
+  local taken = {}
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', key, '-inf', now, 'LIMIT', 0, limit)) do
+    local due_bid = string.match(member, '^[^:]+')
+    if redis.call('EXISTS', batch_prefix .. due_bid) == 1 then
+      table.insert(taken, due_bid)
+      if due_bid == member then
+        redis.call('ZADD', key, now + grace, member)
+      else
+        redis.call('ZREM', key, member)
+      end
+    else
+      redis.call('ZREM', key, member)
+    end
+  end
+  return taken
+end
+"""
+
 # KEYS: open pointer, unsealed batches (zset), live workers (zset), turn ms, hand-over due
 #       (zset)
 # ARGV: candidate batch id, prompt, budget ms, max size, ttl ms, heartbeat timeout ms,
@@ -64,30 +90,13 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 APPEND_LUA = (
     _NOW_LUA
     + ADMISSION_LUA
+    + _TAKE_DUE_LUA
     + """
 local budget = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[5])
 
--- A batch due for a hand-over (its send not confirmed in time, or held by a worker that has
--- not sealed it in time): this caller sends its task again. Re-armed, so that one caller at
--- a time takes it over.
-local handover = ''
-local due = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now, 'LIMIT', 0, 1)
-if due[1] then
-  local due_bid = string.match(due[1], '^[^:]+')
-  if redis.call('EXISTS', ARGV[7] .. due_bid) == 1 then
-    handover = due_bid
-    if due_bid == due[1] then
-      redis.call('ZADD', KEYS[5], now + tonumber(ARGV[9]), due[1])
-    else
-      -- Held: handed over once. Its holder may only be slower than it expected (a call
-      -- longer than its estimate), and the task sent again queues like any other.
-      redis.call('ZREM', KEYS[5], due[1])
-    end
-  else
-    redis.call('ZREM', KEYS[5], due[1])  -- sealed or expired: nobody waits on it here
-  end
-end
+-- A batch due for a hand-over: this caller sends its task again.
+local handover = take_due(KEYS[5], ARGV[7], now, tonumber(ARGV[9]), 1)[1] or ''
 
 local bid = redis.call('GET', KEYS[1])
 local workers = redis.call('ZCOUNT', KEYS[3], now - tonumber(ARGV[6]), '+inf')
@@ -144,28 +153,13 @@ return items
 )
 
 # KEYS: hand-over due (zset); ARGV: batch key prefix, dispatch grace ms, at most this many
-# The batches due for a hand-over, taken as the APPEND takes one (re-armed when its dispatch is
-# unconfirmed, removed when held): for the workers, which look every HANDOVER_SCAN_MS so
-# that a batch is handed over even when no request comes after it.
+# The batches due for a hand-over, for the workers, which look every HANDOVER_SCAN_MS so that a
+# batch is handed over even when no request comes after it.
 TAKE_DUE_LUA = (
     _NOW_LUA
+    + _TAKE_DUE_LUA
     + """
-local taken = {}
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
-for _, member in ipairs(due) do
-  local due_bid = string.match(member, '^[^:]+')
-  if redis.call('EXISTS', ARGV[1] .. due_bid) == 1 then
-    table.insert(taken, due_bid)
-    if due_bid == member then
-      redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), member)
-    else
-      redis.call('ZREM', KEYS[1], member)
-    end
-  else
-    redis.call('ZREM', KEYS[1], member)
-  end
-end
-return taken
+return take_due(KEYS[1], ARGV[1], now, tonumber(ARGV[2]), tonumber(ARGV[3]))
 """
 )
 

@@ -40,7 +40,7 @@ from batching.policy import MAX_BATCH_SIZE, Policy
 from bench import loadgen
 from bench.baselines import calls_key
 from bench.procstat import cpu_seconds
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from inference_site.lib.embedded_redis import redis_url_or_embedded
 from inference_site.lib.stack import ROOT, Stack
 from planning import simulation
 from workers.samplers.simulated import expected_completion
@@ -315,13 +315,8 @@ def main() -> None:
     duration = 1.0 if args.quick else args.duration
     started = time.monotonic()
 
-    embedded = None
-    redis_url = os.environ.get("REDIS_URL")
-    if not redis_url:
-        embedded = EmbeddedRedis().start()
-        redis_url = embedded.url
     rows: list[dict[str, object]] = []
-    try:
+    with redis_url_or_embedded() as redis_url:
         for gpus in [1] if args.quick else args.gpus:
             loads = LOADS if args.loads is None else args.loads
             levels = [
@@ -341,9 +336,6 @@ def main() -> None:
                             redis_url,
                             then_bare=design.name == "ours",
                         )
-    finally:
-        if embedded is not None:
-            embedded.stop()
     rows = median_rows(rows)
     for row in rows:
         if row["design"] == "ours":

@@ -31,10 +31,10 @@ planner takes its fixed costs from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import itertools
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -56,7 +56,7 @@ from batching.outcomes import ItemOutcome, RequestOutcome
 from batching.protocol import RUN_BATCH_TASK
 from bench import loadgen
 from bench.compare import describe_machine
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from inference_site.lib.embedded_redis import redis_url_or_embedded
 from inference_site.lib.stack import ROOT, Stack
 from workers.samplers.simulated import expected_completion
 
@@ -140,12 +140,20 @@ class Bench:
         print(f"  {tree.name:<8} {scenario:<10} {shown}", flush=True)
 
     @contextmanager
-    def stack(self, tree: Tree, scenario: str, **kwargs: object) -> Iterator[tuple[Stack, Path]]:
+    def stack(
+        self, tree: Tree, scenario: str, gpus: list[int | None], env: dict[str, str] | None = None
+    ) -> Iterator[tuple[Stack, Path]]:
+        """A stack of `tree`'s code, not started, with the timing sampler logging to the
+        returned file."""
         queue = f"gap-{scenario}-{uuid.uuid4().hex[:8]}"
         log = self.work / f"{queue}.calls"
         log.touch()
-        env = self.env(queue, log, **kwargs.pop("env", {}))  # type: ignore[arg-type]
-        stack = Stack(env=env, root=tree.root, log_dir=self.work / queue, **kwargs)  # type: ignore[arg-type]
+        stack = Stack(
+            env=self.env(queue, log, **(env or {})),
+            gpus=gpus,
+            root=tree.root,
+            log_dir=self.work / queue,
+        )
         try:
             yield stack, log
         finally:
@@ -154,10 +162,8 @@ class Bench:
     # --- the scenarios ---------------------------------------------------------------------
     def drain(self, tree: Tree) -> None:
         deadline_ms = 120_000  # nothing expires while the batches wait for the worker
-        with self.stack(tree, "drain", gpus=[], env={"SAMPLING_DEADLINE_MS": str(deadline_ms)}) as (
-            stack,
-            log,
-        ):
+        env = {"SAMPLING_DEADLINE_MS": str(deadline_ms)}
+        with self.stack(tree, "drain", gpus=[], env=env) as (stack, log):
             client = redis.Redis.from_url(self.redis_url)
             queue = stack.env["SAMPLING_QUEUE"]
             app = Celery("gap-bench", set_as_current=False)
@@ -435,46 +441,29 @@ def main() -> None:
     args = parser.parse_args()
 
     started = time.monotonic()
-    embedded = None
-    redis_url = os.environ.get("REDIS_URL")
-    if not redis_url:
-        embedded = EmbeddedRedis().start()
-        redis_url = embedded.url
     work = Path(tempfile.mkdtemp(prefix="bench-gap-"))
-    bench = Bench(
-        redis_url, args.rounds, args.saturated_seconds, args.lone_seconds, args.single_requests,
-        work,
-    )  # fmt: skip
     trees = [Tree("this", ROOT)]
-    try:
-        with contextmanager_or_none(args.against) as older:
-            if older is not None:
-                trees.insert(0, Tree(args.against[:8], older))
-            for round_number in range(1, args.rounds + 1):
-                print(f"round {round_number}/{args.rounds}", flush=True)
-                for scenario in args.scenarios:
-                    # Alternate which version goes first, so neither always runs on a
-                    # machine the other just warmed up (or disturbed).
-                    for tree in trees if round_number % 2 else trees[::-1]:
-                        getattr(bench, scenario)(tree)
-    finally:
-        if embedded is not None:
-            embedded.stop()
+    with contextlib.ExitStack() as resources:
+        redis_url = resources.enter_context(redis_url_or_embedded())
+        if args.against:
+            trees.insert(0, Tree(args.against[:8], resources.enter_context(worktree(args.against))))
+        bench = Bench(
+            redis_url, args.rounds, args.saturated_seconds, args.lone_seconds,
+            args.single_requests, work,
+        )  # fmt: skip
+        for round_number in range(1, args.rounds + 1):
+            print(f"round {round_number}/{args.rounds}", flush=True)
+            for scenario in args.scenarios:
+                # Alternate which version goes first, so neither always runs on a machine
+                # the other just warmed up (or disturbed).
+                for tree in trees if round_number % 2 else trees[::-1]:
+                    getattr(bench, scenario)(tree)
     print(f"\n{describe_machine()}; call {CALL_MS} ms; {time.monotonic() - started:.0f} s\n")
     for scenario in args.scenarios:
         print(table(bench, trees, scenario))
     if args.write_costs:
         write_costs(bench, trees[-1])
     shutil.rmtree(work, ignore_errors=True)
-
-
-@contextmanager
-def contextmanager_or_none(ref: str | None) -> Iterator[Path | None]:
-    if ref is None:
-        yield None
-        return
-    with worktree(ref) as path:
-        yield path
 
 
 if __name__ == "__main__":

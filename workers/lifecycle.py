@@ -105,11 +105,12 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
         sampler = load_sampler()
         runner = BatchRunner(aggregator, sampler, worker, policy=lambda: watcher.current)
         runner.warm_up()
+        resend = _resender(aggregator.queue)
         _pipeline = BatchPipeline(
             runner,
             queue_answers=queue_answers,
             store_failure=store_failure,
-            resend=_resender(aggregator.queue),
+            resend=resend,
             on_hung=_leave_hung,
             call_timeout_ms=settings.SAMPLING_CALL_TIMEOUT_MS or None,
         ).start()
@@ -140,7 +141,7 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
     threading.Thread(target=_heartbeat_loop, args=(runner,), name="heartbeat", daemon=True).start()
     threading.Thread(
         target=_handover_loop,
-        args=(aggregator, _resender(aggregator.queue)),
+        args=(aggregator, resend),
         name="handover",
         daemon=True,
     ).start()

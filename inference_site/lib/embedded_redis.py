@@ -8,11 +8,14 @@ on disk and is stopped when the owning process exits.
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,3 +103,18 @@ class EmbeddedRedis:
         if self.workdir is not None:
             self.workdir.cleanup()
             self.workdir = None
+
+
+@contextmanager
+def redis_url_or_embedded() -> Iterator[str]:
+    """REDIS_URL when it is set (a real server), else the URL of an embedded server that
+    lives as long as the block: what the benchmarks run on."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    server = EmbeddedRedis().start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
