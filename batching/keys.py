@@ -1,13 +1,22 @@
 """Every Redis key of a queue, built in one place.
 
-All keys of a queue share the hash tag `{queue}`, so a queue's scripts stay on one slot of a
-Redis cluster. Nothing else in the project spells a `sampling:{queue}:...` key.
+A queue's own keys (policy, workers, statistics, batch log) share the hash tag `{queue}`. Its
+request path is split over SAMPLING_SHARDS shards, each an open batch with its own keys under
+its own hash tag (ShardKeys), so that a Redis cluster spreads the shards over its masters and
+every script of a shard runs on one slot. With one shard, the shard's tag is the queue's.
+Nothing else in the project spells a `sampling:{...}:...` key.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
+# The most shards a queue may have (SAMPLING_SHARDS): far more than any Redis cluster needs for
+# one model's requests.
+MAX_SHARDS = 64
 
 
 @dataclass(frozen=True)
@@ -21,33 +30,6 @@ class QueueKeys:
     def tag(self) -> str:
         return f"sampling:{{{self.queue}}}"
 
-    # --- the aggregator (batching.aggregator) --------------------------------------------
-    @cached_property
-    def open_batch(self) -> str:
-        """The id of the batch new requests join (absent: the next request opens one)."""
-        return f"{self.tag}:open"
-
-    @cached_property
-    def unsealed(self) -> str:
-        """A zset of batches not sealed yet, scored by their opening time (ms)."""
-        return f"{self.tag}:unsealed"
-
-    @cached_property
-    def handover_due(self) -> str:
-        """A zset of unsealed batches whose task may be lost, scored by the time (ms) from which
-        a request hands the batch over (sends its task again) if it is still unsealed: a batch
-        whose task is not known to be sent yet (member: its id), and a batch a worker received
-        before its GPU was free (member: id + HELD_SUFFIX), in case that worker dies first."""
-        return f"{self.tag}:handover-due"
-
-    @cached_property
-    def batch_prefix(self) -> str:
-        return f"{self.tag}:batch:"
-
-    def batch(self, batch_id: str) -> str:
-        """The list of a batch's items, one "deadline_ms prompt" string each."""
-        return self.batch_prefix + batch_id
-
     @cached_property
     def live_workers(self) -> str:
         """A zset of worker names scored by their last heartbeat (Redis time, ms)."""
@@ -55,7 +37,8 @@ class QueueKeys:
 
     @cached_property
     def turn_ms(self) -> str:
-        """The workers' running estimate of one batch's turn on a GPU, for admission."""
+        """The workers' running estimate of one batch's turn on a GPU, for operators (what
+        admission uses reaches each shard's `admission` hash)."""
         return f"{self.tag}:sampler_ms"
 
     @cached_property
@@ -93,3 +76,92 @@ class QueueKeys:
     @cached_property
     def housekeeping_lock(self) -> str:
         return f"{self.tag}:housekeeping"
+
+
+@dataclass(frozen=True)
+class ShardKeys:
+    """The keys of one shard of a queue's request path, all under the hash tag `{tag}`; and
+    its batches' ids, which carry the tag too (`{tag}<hex>`), so that a batch's result key
+    (Celery's `celery-task-meta-<id>`) lives on the shard's slot and the worker finds the
+    shard from the task alone."""
+
+    tag: str
+
+    @cached_property
+    def prefix(self) -> str:
+        return f"sampling:{{{self.tag}}}"
+
+    @cached_property
+    def open_batch(self) -> str:
+        """The id of the batch new requests join (absent: the next request opens one)."""
+        return f"{self.prefix}:open"
+
+    @cached_property
+    def unsealed(self) -> str:
+        """A zset of batches not sealed yet, scored by their opening time (ms)."""
+        return f"{self.prefix}:unsealed"
+
+    @cached_property
+    def handover_due(self) -> str:
+        """A zset of unsealed batches whose task may be lost, scored by the time (ms) from which
+        a worker hands the batch over (sends its task again) if it is still unsealed: a batch
+        whose task is not known to be sent yet (member: its id), and a batch a worker received
+        before its GPU was free (member: id + HELD_SUFFIX), in case that worker dies first."""
+        return f"{self.prefix}:handover-due"
+
+    @cached_property
+    def admission(self) -> str:
+        """A hash: what admission needs (live workers, a turn's ms, shards, window), written
+        by the workers' heartbeats and seals, and `predicted`, the ms a batch joined now would
+        take to finish, refreshed whenever a batch opens, closes or is sealed; the request's
+        script reads that one field."""
+        return f"{self.prefix}:admission"
+
+    @cached_property
+    def batch_prefix(self) -> str:
+        return f"{self.prefix}:batch:"
+
+    def batch(self, batch_id: str) -> str:
+        """The list of a batch's items, one "deadline_ms prompt" string each."""
+        return self.batch_prefix + batch_id
+
+    @cached_property
+    def results(self) -> str:
+        """The channel on which the shard's batches' answers are published, each message
+        "<batch id> <Celery meta>": every web process listens to it for good."""
+        return f"{self.prefix}:results"
+
+    def batch_id(self, unique: str) -> str:
+        return f"{{{self.tag}}}{unique}"
+
+
+def tag_of(batch_id: str) -> str:
+    """The shard tag a batch id carries ('' for an id without one)."""
+    if batch_id.startswith("{"):
+        end = batch_id.find("}")
+        if end > 0:
+            return batch_id[1:end]
+    return ""
+
+
+def shard_tags(queue: str, shards: int) -> list[str]:
+    """The hash tags of a queue's shards. One shard: the queue's own tag. More: shard i's tag
+    is the first `{queue}.{i}.{n}` whose cluster slot falls in the i-th of `shards` equal
+    ranges of the slots, so that a cluster whose masters own equal contiguous ranges (as
+    `--cluster create` and our test clusters make them) carries equal numbers of shards."""
+    if not 1 <= shards <= MAX_SHARDS:
+        raise ValueError(f"a queue has 1 to {MAX_SHARDS} shards, got {shards}")
+    if shards == 1:
+        return [queue]
+    tags = []
+    for index in range(shards):
+        low = index * REDIS_CLUSTER_HASH_SLOTS // shards
+        high = (index + 1) * REDIS_CLUSTER_HASH_SLOTS // shards
+        for n in range(100_000):
+            tag = f"{queue}.{index}.{n}"
+            if low <= key_slot(tag.encode()) < high:
+                tags.append(tag)
+                break
+        else:  # pragma: no cover - 16,384 slots, at most 100 shards: always found
+            raise RuntimeError(f"no tag found for shard {index} of {queue}")
+    return tags

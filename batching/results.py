@@ -1,11 +1,19 @@
-"""Exact, cheap waiting on Celery results: one pub/sub listener per process.
+"""Exact, cheap waiting on Celery results: one listener per process, subscribed for good.
 
 Stock Celery 5.x waits on the Redis backend in 1 s steps, wakes one waiter per task id per
 backend, and holds a pub/sub connection per thread (per greenlet under gevent). Here every
-wait of a process goes through one ResultListener: one pub/sub connection and one thread (a
-greenlet under gevent) that wakes every local waiter of a batch at once. The view keeps
-Celery's API, `app.AsyncResult(batch_id).get(timeout=...)`, because
+wait of a process goes through one ResultListener, which wakes every local waiter of a batch
+at once. The view keeps Celery's API, `app.AsyncResult(batch_id).get(timeout=...)`, because
 SharedListenerRedisBackend is the configured result backend (CELERY_RESULT_BACKEND).
+
+A result is stored as Celery stores it (the key `celery-task-meta-<id>`, Celery's meta and
+encoding, the results' expiry) and published on its shard's results channel
+(batching.keys.ShardKeys.results), not on a channel per task: each listener subscribes to a
+shard's channel once, the first time it waits on one of its batches, and never again, so a
+batch costs Redis one PUBLISH and no SUBSCRIBE, UNSUBSCRIBE or GET per web process. The batch
+id carries its shard's tag, so the key and the channel live on the shard's slot; on a Redis
+cluster the listener holds one connection per master and uses sharded pub/sub (SSUBSCRIBE,
+SPUBLISH), so a result goes only to its shard's node.
 
 docs/result-waiting.md has the measurements behind this design: stock `get(timeout=0.5)`
 returned after about 1.02 s, and under gevent each greenlet got its own backend, pub/sub
@@ -18,53 +26,189 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
+from functools import cached_property
 from typing import Any
 
 import redis
 from celery import states
 from celery.backends.redis import RedisBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
+from redis.cluster import ClusterPipeline
+from redis.connection import parse_url
+
+from batching.keys import ShardKeys, tag_of
+from batching.topology import is_cluster, redis_client
 
 log = logging.getLogger(__name__)
 
 # How long the pub/sub connection may stay silent before it is PINGed, and declared dead
 # after a second silent period.
 HEALTH_INTERVAL_S = 5.0
+# Every result received is kept this long for waiters that register after it came: a
+# waiter registers just after its APPEND, so only a batch answered within that moment needs
+# it (a few KB a batch: at 200 batches/s, under 2 MB a process).
+RECENT_RESULTS_S = 2.0
+# The shard tag of a task id that carries none (a task not sent by the aggregator).
+UNTAGGED = "untagged-results"
+
+
+class ResultsUnavailable(redis.ConnectionError):
+    """The node that would publish the result is unreachable: the wait ends now, not at its
+    timeout (the view answers 503)."""
+
+
+def key_prefix(backend: RedisBackend) -> str:
+    """What the backend puts before a task id in its result key: celery-task-meta-."""
+    key: str | bytes = backend.get_key_for_task("x")  # bytes at run time, str in the stubs
+    return (key.decode() if isinstance(key, bytes) else key)[:-1]
+
+
+def results_channel(task_id: str) -> str:
+    """The channel a task's result is published on: its shard's."""
+    return ShardKeys(tag_of(task_id) or UNTAGGED).results
+
+
+def publish_message(task_id: str, value: bytes | str) -> bytes:
+    """What is published: the task id, a space, then the stored meta."""
+    raw = value if isinstance(value, bytes) else value.encode()
+    return task_id.encode() + b" " + raw
 
 
 class _Pending:
-    __slots__ = ("event", "meta", "waiters")
+    __slots__ = ("event", "lost", "meta", "waiters")
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.meta: dict[str, Any] | None = None
         self.waiters = 0
+        self.lost = False
+
+
+class _Node:
+    """One pub/sub connection (to one Redis server, or one master of a cluster) and the
+    channels subscribed on it; its own thread (a greenlet under gevent) reads it."""
+
+    def __init__(self, listener: ResultListener, host: str, port: int) -> None:
+        self.listener = listener
+        self.address = (host, port)
+        self.channels: set[str] = set()
+        self.conn: redis.Connection | None = None
+        self.down = False  # the last connection attempt failed
+        self.thread = threading.Thread(
+            target=self._run, name=f"result-listener-{host}:{port}", daemon=True
+        )
+
+    def subscribe(self, channel: str) -> None:
+        """Called with the listener's lock held."""
+        self.channels.add(channel)
+        if self.conn is not None:
+            self.send(self.listener.subscribe_command, channel)
+        if not self.thread.is_alive():
+            self.thread.start()
+
+    def send(self, *command: str) -> None:
+        # Called with the listener's lock held. A command lost with a dying connection is
+        # harmless: the reconnect subscribes every channel again.
+        if self.conn is None:
+            return
+        try:
+            self.conn.send_command(*command, check_health=False)
+        except (redis.ConnectionError, OSError) as exc:
+            log.warning("result listener: %s failed: %s", command[0], exc)
+
+    def _run(self) -> None:
+        backoff = 0.05
+        listener = self.listener
+        while True:
+            conn = listener.make_connection(*self.address)
+            try:
+                conn.connect()
+                with listener.lock:
+                    self.conn, self.down = conn, False
+                    for channel in self.channels:
+                        conn.send_command(listener.subscribe_command, channel, check_health=False)
+                backoff = 0.05
+                self._listen(conn)
+            except Exception as exc:  # noqa: BLE001 - reconnect on anything; waiters meanwhile
+                if not self.down:
+                    log.warning(
+                        "result listener: %s:%s lost (%s), reconnecting", *self.address, exc
+                    )
+                with listener.lock:
+                    was_connected, self.conn, self.down = self.conn is not None, None, True
+                # A connection that dropped gets one immediate retry (a blip: the stored
+                # results are read again after it); a node that refuses fails its waiters.
+                if not was_connected:
+                    listener.fail_pending(self.channels)
+            finally:
+                conn.disconnect()
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _listen(self, conn: redis.Connection) -> None:
+        silent_periods = 0
+        listener = self.listener
+        while True:
+            if not conn.can_read(timeout=HEALTH_INTERVAL_S):
+                silent_periods += 1
+                if silent_periods >= 2:
+                    raise redis.ConnectionError("no answer to PING")
+                with listener.lock:
+                    conn.send_command("PING", check_health=False)
+                continue
+            silent_periods = 0
+            reply = conn.read_response()
+            if not isinstance(reply, list) or len(reply) < 2:
+                continue  # +PONG outside subscribed mode
+            kind = reply[0]
+            if kind in (b"message", b"smessage"):
+                listener.deliver_message(reply[2])
+            elif kind in (b"subscribe", b"ssubscribe"):
+                listener.check_stored(reply[1].decode())
+            elif kind == b"sunsubscribe":
+                # The channel's slot moved to another master: subscribe where it lives now.
+                listener.resubscribe(reply[1].decode(), self)
 
 
 class ResultListener:
-    """One pub/sub connection per process, subscribed to the result channels waited on here.
+    """A process's waits on results, served by one subscription per results channel.
 
-    A waiter registers its task id (the first waiter of an id subscribes), then waits on an
-    event with its remaining time. When Redis confirms a subscription the listener reads the
-    stored result once, which covers a result published before the subscription took effect.
-    After a reconnect every pending id is subscribed, and so re-read, again.
+    A waiter registers its task id, subscribing the listener to the id's channel if it is new,
+    then waits on an event with its remaining time. A result published before the waiter
+    registered is found among the recent results (kept RECENT_RESULTS_S), or read from its key
+    when a subscription is confirmed (a new channel, or after a reconnect).
     """
 
-    def __init__(self, url: str, backend: RedisBackend) -> None:
-        self.url = url
+    def __init__(self, backend: SharedListenerRedisBackend) -> None:
         self.backend = backend
-        self.client = redis.Redis.from_url(url)
+        self.client = backend.client  # reads stored results; a cluster client on a cluster
+        self.cluster = is_cluster(self.client)
+        self.subscribe_command = "SSUBSCRIBE" if self.cluster else "SUBSCRIBE"
+        url = backend.listener_url
         # RESP2: pub/sub messages arrive as plain replies (redis-py 8 defaults to RESP3, where
         # they are push frames that read_response() hands to a push handler instead).
-        self._pool = redis.ConnectionPool.from_url(
-            url, protocol=2, socket_timeout=None, socket_keepalive=True
-        )
-        self._lock = threading.Lock()  # guards _pending and every write to _conn
+        self._connection_kwargs = {
+            **parse_url(url),
+            "protocol": 2,
+            "socket_timeout": None,
+            "socket_keepalive": True,
+            "socket_connect_timeout": 2,
+        }
+        self.lock = threading.Lock()  # guards what follows, and every write to a connection
         self._pending: dict[str, _Pending] = {}
-        self._conn: redis.Connection | None = None
-        self._thread: threading.Thread | None = None
-        key: str | bytes = backend.get_key_for_task("x")  # bytes at run time, str in the stubs
-        self._prefix = (key.decode() if isinstance(key, bytes) else key)[:-1]  # celery-task-meta-
+        self._recent: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._nodes: dict[tuple[str, int], _Node] = {}
+        self._node_of: dict[str, _Node] = {}  # channel -> the node it is subscribed on
+        self._prefix = key_prefix(backend)
+
+    def make_connection(self, host: str, port: int) -> redis.Connection:
+        kwargs = dict(self._connection_kwargs)
+        kwargs.pop("connection_class", None)
+        if "path" in kwargs:  # a unix socket URL
+            return redis.UnixDomainSocketConnection(**kwargs)
+        kwargs["host"], kwargs["port"] = host, port
+        return redis.Connection(**kwargs)
 
     # --- waiting (any thread) ------------------------------------------------------------
     def wait(self, task_id: str, timeout: float | None) -> dict[str, Any]:
@@ -74,6 +218,8 @@ class ResultListener:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not entry.event.wait(remaining):
                 raise CeleryTimeoutError("The operation timed out.")
+            if entry.lost:
+                raise ResultsUnavailable(f"the Redis node of {results_channel(task_id)} is down")
             assert entry.meta is not None
             return dict(entry.meta)
         finally:
@@ -82,158 +228,201 @@ class ResultListener:
     def pending_count(self) -> int:
         return len(self._pending)
 
+    def subscribe(self, channels: list[str]) -> None:
+        """Subscribe to `channels` now (a web process's warm-up: its queue's shards), rather
+        than on the first wait on each."""
+        with self.lock:
+            for channel in channels:
+                self._ensure_subscribed(channel)
+
     def _register(self, task_id: str) -> _Pending:
-        with self._lock:
-            self.ensure_started()
+        channel = results_channel(task_id)
+        with self.lock:
             entry = self._pending.get(task_id)
             if entry is None:
                 entry = self._pending[task_id] = _Pending()
-                self._send("SUBSCRIBE", self._prefix + task_id)
+                recent = self._recent.get(task_id)
+                if recent is not None:
+                    self._set_meta(entry, recent[1])
+                else:
+                    self._ensure_subscribed(channel)
             entry.waiters += 1
             return entry
 
     def _unregister(self, task_id: str, entry: _Pending) -> None:
-        with self._lock:
+        with self.lock:
             entry.waiters -= 1
             if entry.waiters == 0 and self._pending.get(task_id) is entry:
                 del self._pending[task_id]
-                self._send("UNSUBSCRIBE", self._prefix + task_id)
 
-    def _send(self, *command: str) -> None:
-        # Called with _lock held. A command lost with a dying connection is harmless: the
-        # reconnect subscribes every pending id again.
-        if self._conn is None:
-            return
-        try:
-            self._conn.send_command(*command, check_health=False)
-        except (redis.ConnectionError, OSError) as exc:
-            log.warning("result listener: %s failed: %s", command[0], exc)
+    def _ensure_subscribed(self, channel: str) -> None:
+        """Called with the lock held."""
+        node = self._node_of.get(channel)
+        if node is None:
+            node = self._node_for(channel)
+            self._node_of[channel] = node
+            node.subscribe(channel)
+        elif node.down:
+            pass  # the wait ends when the reconnect fails again, or at its timeout
 
-    def ensure_started(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="result-listener", daemon=True)
-            self._thread.start()
+    def _node_for(self, channel: str) -> _Node:
+        if self.cluster:
+            found = self.client.get_node_from_key(channel)
+            address = (str(found.host), int(found.port))
+        else:
+            kwargs = self._connection_kwargs
+            address = (str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379)))
+        node = self._nodes.get(address)
+        if node is None:
+            node = self._nodes[address] = _Node(self, *address)
+        return node
 
-    # --- listening (the listener thread) -------------------------------------------------
-    def _run(self) -> None:
-        backoff = 0.05
-        while True:
-            conn = self._pool.make_connection()
-            try:
-                conn.connect()
-                with self._lock:
-                    self._conn = conn
-                    channels = [self._prefix + task_id for task_id in self._pending]
-                    if channels:
-                        conn.send_command("SUBSCRIBE", *channels, check_health=False)
-                backoff = 0.05
-                self._listen(conn)
-            except Exception as exc:  # noqa: BLE001 - reconnect on anything; waiters time out meanwhile
-                log.warning("result listener: connection lost (%s), reconnecting", exc)
-            finally:
-                with self._lock:
-                    self._conn = None
-                conn.disconnect()
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+    # --- the listener threads --------------------------------------------------------------
+    def deliver_message(self, data: bytes) -> None:
+        task_id_raw, _, payload = data.partition(b" ")
+        task_id = task_id_raw.decode()
+        with self.lock:
+            # Kept for a waiter yet to register: one whose APPEND returned just before the
+            # result came, or one that registers after the others of its batch are gone.
+            self._keep_recent(task_id, payload)
+            entry = self._pending.get(task_id)
+            if entry is not None and not entry.event.is_set():
+                self._set_meta(entry, payload)
 
-    def _listen(self, conn: redis.Connection) -> None:
-        silent_periods = 0
-        while True:
-            if not conn.can_read(timeout=HEALTH_INTERVAL_S):
-                silent_periods += 1
-                if silent_periods >= 2:
-                    raise redis.ConnectionError("no answer to PING")
-                with self._lock:
-                    conn.send_command("PING", check_health=False)
-                continue
-            silent_periods = 0
-            reply = conn.read_response()
-            if not isinstance(reply, list) or len(reply) < 2:
-                continue  # +PONG outside subscribed mode
-            kind = reply[0]
-            if kind == b"message":
-                self._deliver(reply[1].decode(), reply[2])
-            elif kind == b"subscribe":
-                self._check_stored(reply[1].decode())
+    def _keep_recent(self, task_id: str, payload: bytes) -> None:
+        now = time.monotonic()
+        self._recent[task_id] = (now, payload)
+        while self._recent:
+            _, (arrived, _) = next(iter(self._recent.items()))
+            if now - arrived <= RECENT_RESULTS_S:
+                break
+            self._recent.popitem(last=False)
 
-    def _check_stored(self, channel: str) -> None:
-        task_id = channel[len(self._prefix) :]
-        if task_id not in self._pending:
-            return
-        payload = self.client.get(channel)
-        if payload is not None:
-            self._deliver(channel, payload)
-
-    def _deliver(self, channel: str, payload: bytes) -> None:
-        task_id = channel[len(self._prefix) :]
-        entry = self._pending.get(task_id)
-        if entry is None or entry.event.is_set():
-            return
+    def _set_meta(self, entry: _Pending, payload: bytes) -> None:
         meta = self.backend.decode(payload)
-        if meta.get("status") not in states.READY_STATES:
-            return
-        entry.meta = meta
-        entry.event.set()
+        if meta.get("status") in states.READY_STATES:
+            entry.meta = meta
+            entry.event.set()
+
+    def check_stored(self, channel: str) -> None:
+        """A subscription took effect: read the stored result of every id waiting on the
+        channel, which covers a result published before it."""
+        with self.lock:
+            waiting = [tid for tid in self._pending if results_channel(tid) == channel]
+        for task_id in waiting:
+            try:
+                payload = self.client.get(self._prefix + task_id)
+            except redis.RedisError as exc:
+                log.warning("result listener: cannot read result %s: %s", task_id, exc)
+                continue
+            if payload is not None:
+                with self.lock:
+                    entry = self._pending.get(task_id)
+                    if entry is not None and not entry.event.is_set():
+                        self._set_meta(entry, payload)
+
+    def fail_pending(self, channels: set[str]) -> None:
+        """The node of `channels` is unreachable: every wait on them ends now."""
+        with self.lock:
+            for task_id, entry in self._pending.items():
+                if not entry.event.is_set() and results_channel(task_id) in channels:
+                    entry.lost = True
+                    entry.event.set()
+
+    def resubscribe(self, channel: str, old: _Node) -> None:
+        with self.lock:
+            old.channels.discard(channel)
+            self._node_of.pop(channel, None)
+            try:
+                self.client.nodes_manager.initialize()
+            except Exception as exc:  # noqa: BLE001 - the next wait on the channel tries again
+                log.warning("result listener: cannot refresh the cluster's slots: %s", exc)
+            self._ensure_subscribed(channel)
 
 
-def queue_success(
-    pipe: redis.client.Pipeline, backend: RedisBackend, task_id: str, result: Any
+def queue_result(
+    pipe: redis.client.Pipeline,
+    backend: RedisBackend,
+    task_id: str,
+    result: Any,
+    state: str = states.SUCCESS,
 ) -> None:
-    """Queue on `pipe` what Celery's Redis backend runs to store a task's success: the SET of
-    its key (with the results' expiry) and the PUBLISH on the key's channel, in the backend's
-    own encoding, so that `AsyncResult(task_id).get()` reads it as any stored result.
+    """Queue on `pipe` what storing a task's result takes: the SET of its key (with the
+    results' expiry), in Celery's own meta and encoding, so that `AsyncResult(task_id).get()`
+    reads it as any stored result, and its PUBLISH on the shard's results channel.
 
-    Sent in a pipeline of the caller's (a worker sends a batch's answers in the round trip
-    that seals its next batch), and without the GET by which `store_result` first checks for
-    a stored success: a sealed batch is answered once.
+    Sent in a pipeline of the caller's (a worker sends a batch's answers with its record), and
+    without the GET by which `store_result` first checks for a stored success: a sealed batch
+    is answered once.
     """
-    encoded = backend.encode_result(result, states.SUCCESS)
+    encoded = backend.encode_result(result, state)
     # Celery's own meta (status, result, traceback, children, date_done, and the extended
     # fields when result_extended is on): the one private name used here, as stable as the
     # format it builds.
     meta = backend._get_result_meta(  # type: ignore[attr-defined]
-        result=encoded, state=states.SUCCESS, traceback=None, request=None
+        result=encoded, state=state, traceback=None, request=None
     )
     meta["task_id"] = task_id
+    _queue_store(pipe, backend, task_id, backend.encode(meta))
+
+
+def _queue_store(
+    pipe: redis.client.Pipeline,
+    backend: RedisBackend,
+    task_id: str,
+    value: bytes | str,
+    expires: float | None = None,
+) -> None:
     key = backend.get_key_for_task(task_id)
-    value = backend.encode(meta)
-    expires = backend.expires  # type: ignore[attr-defined]  # set by KeyValueStoreBackend
+    expires = expires if expires is not None else backend.expires  # type: ignore[attr-defined]
     if expires:
-        pipe.set(key, value, ex=expires)
+        pipe.set(key, value, ex=int(expires))
     else:
         pipe.set(key, value)
-    pipe.publish(key, value)
+    channel, message = results_channel(task_id), publish_message(task_id, value)
+    if isinstance(pipe, ClusterPipeline):
+        pipe.execute_command("SPUBLISH", channel, message)
+    else:
+        pipe.publish(channel, message)
 
 
-_listeners: dict[tuple[int, str], ResultListener] = {}
+# Kept for callers of the issue-12 name.
+def queue_success(
+    pipe: redis.client.Pipeline, backend: RedisBackend, task_id: str, result: Any
+) -> None:
+    queue_result(pipe, backend, task_id, result)
+
+
+_listeners: dict[tuple[int, int], ResultListener] = {}
 _listeners_lock = threading.Lock()
 
 
-def listener_for(url: str, backend: RedisBackend) -> ResultListener:
-    """The listener of this process (a forked child gets its own)."""
-    key = (os.getpid(), url)
+def listener_for(backend: SharedListenerRedisBackend) -> ResultListener:
+    """The listener of this process and backend (a forked child gets its own)."""
+    key = (os.getpid(), id(backend))
     listener = _listeners.get(key)
     if listener is None:
         with _listeners_lock:
             listener = _listeners.get(key)
             if listener is None:
-                listener = _listeners[key] = ResultListener(url, backend)
+                listener = _listeners[key] = ResultListener(backend)
     return listener
 
 
 class SharedListenerRedisBackend(RedisBackend):
-    """Celery's Redis result backend with every wait routed through the process's listener.
+    """Celery's Redis result backend with every wait routed through the process's listener,
+    and every store published on the task's shard channel.
 
     Celery builds one backend per thread (per greenlet under gevent), at about 0.5 ms each;
     the instance here is shared per process and URL, which is safe because nothing of the
-    stock per-thread pub/sub consumer is used.
+    stock per-thread pub/sub consumer is used. With the transport option `cluster` (settings:
+    SAMPLING_REDIS_CLUSTER) its URL is a seed node of a Redis cluster.
     """
 
     _instances: dict[tuple[int, int, str | None], SharedListenerRedisBackend] = {}
     _instances_lock = threading.Lock()
     _initialised: bool
-    _listener_url: str
+    listener_url: str
     url: str | None  # set by RedisBackend.__init__
 
     def __new__(cls, app: Any = None, url: str | None = None, **kwargs: Any) -> Any:
@@ -249,12 +438,29 @@ class SharedListenerRedisBackend(RedisBackend):
         if self._initialised:
             return
         super().__init__(app=app, url=url, **kwargs)
-        self._listener_url = url or self.url or "redis://127.0.0.1:6379/0"
+        self.listener_url = url or self.url or "redis://127.0.0.1:6379/0"
+        app_conf = self.app.conf  # type: ignore[attr-defined]  # set by Backend.__init__
+        options = app_conf.get("result_backend_transport_options") or {}
+        self.cluster = bool(options.get("cluster", False))
         self._initialised = True
+
+    @cached_property
+    def client(self) -> Any:  # RedisBackend's is a cached_property too
+        if self.cluster:
+            return redis_client(self.listener_url, cluster=True)
+        return super().client
 
     @property
     def listener(self) -> ResultListener:
-        return listener_for(self._listener_url, self)
+        return listener_for(self)
+
+    def _set(self, key: str, value: bytes | str, expires: float | None = None) -> None:
+        # Celery's store path (store_result, mark_as_failure): as a worker stores answers.
+        key_text = key.decode() if isinstance(key, bytes) else key
+        task_id = key_text[len(key_prefix(self)) :]
+        with self.client.pipeline(transaction=False) as pipe:
+            _queue_store(pipe, self, task_id, value, expires)
+            pipe.execute()
 
     # The stock consumer would subscribe the sending thread to every task it sends (celery
     # #3808) and start a drainer per thread: neither is wanted.

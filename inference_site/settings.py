@@ -13,6 +13,7 @@ import dj_database_url
 import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
+from batching.keys import MAX_SHARDS
 from batching.policy import BOUNDS, Policy
 from inference_site.lib.env import (
     env_bool,
@@ -117,6 +118,15 @@ LOGGING = {
 
 # --- Sampling service ---------------------------------------------------------------------
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+# The Redis of the request path (the aggregator, results, statistics, policy): REDIS_URL unless
+# set apart; with SAMPLING_REDIS_CLUSTER on, a seed node of a Redis or Valkey cluster.
+SAMPLING_REDIS_URL = env_str("SAMPLING_REDIS_URL", REDIS_URL)
+SAMPLING_REDIS_CLUSTER = env_bool("SAMPLING_REDIS_CLUSTER", False)
+# Open batches per queue, each on its own hash tag (a cluster spreads them over its masters);
+# web processes take them in turn. One is right until one Redis core cannot carry the
+# requests: `manage.py capacity` says how many a rate needs. More shards than a quarter of
+# the GPUs make batches wait for a GPU (each shard's batch waits its turn in the one queue).
+SAMPLING_SHARDS = env_int("SAMPLING_SHARDS", 1, minimum=1, maximum=MAX_SHARDS)
 # The queue names the served model: web processes append to its open batch, its workers
 # consume its Celery queue, and every Redis key of the aggregator is under it.
 SAMPLING_QUEUE = env_name("SAMPLING_QUEUE", "sampling")
@@ -169,12 +179,14 @@ SAMPLING_STATS_RETENTION_DAYS = env_int(
 )
 
 # --- Celery (read by inference_site/celery.py with the CELERY_ namespace) ------------------
-# The broker is the aggregator's Redis unless set apart.
+# The broker carries one message per batch: REDIS_URL unless set apart. It is never a cluster
+# (kombu's Redis transport does not support one); a plain Redis beside the cluster does.
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL)
 # The stock Redis result backend waits in 1 s steps and holds a pub/sub connection per
 # thread; this subclass routes every wait through one listener per process (see
 # batching/results.py and docs/result-waiting.md).
-CELERY_RESULT_BACKEND = f"batching.results:SharedListenerRedisBackend+{REDIS_URL}"
+CELERY_RESULT_BACKEND = f"batching.results:SharedListenerRedisBackend+{SAMPLING_REDIS_URL}"
+CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {"cluster": SAMPLING_REDIS_CLUSTER}
 # The batch task, imported by `celery worker` only: web processes send it by name
 # (batching.protocol.RUN_BATCH_TASK) and never import the workers' runtime.
 CELERY_IMPORTS = ("workers.tasks",)

@@ -47,3 +47,36 @@ class MeasuredCosts:
 
 
 MEASURED = MeasuredCosts.load()
+
+
+SHARD_CEILING_FILE = Path(__file__).with_name("shard_ceiling.json")
+
+
+@dataclass(frozen=True)
+class ShardCeiling:
+    """The requests/s one shard of the request path (one Redis process) carries while the
+    request's round trip stays under 5 ms at p99: `python -m bench.shard_ceiling --write`."""
+
+    shard_rps: float
+    measured: str
+    machine: str
+    command: str
+
+    @classmethod
+    def load(cls, path: Path = SHARD_CEILING_FILE) -> ShardCeiling:
+        raw = json.loads(path.read_text())
+        return cls(
+            shard_rps=float(raw["shard_rps"]),
+            measured=str(raw["measured"]),
+            machine=str(raw["machine"]),
+            command=str(raw["command"]),
+        )
+
+    @property
+    def source(self) -> str:
+        return f"measured by `{self.command}` on {self.measured} ({self.machine})"
+
+
+# None until `python -m bench.shard_ceiling --write` has run: the planner then asks for
+# --redis-shard-rps.
+MEASURED_SHARD = ShardCeiling.load() if SHARD_CEILING_FILE.exists() else None

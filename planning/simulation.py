@@ -230,3 +230,14 @@ def fewest_gpus(base: Scenario, percentile: float = 99.0, limit: int = 100_000) 
 def web_nodes(rate_rps: float, cpu_ms_per_request: float, cores: int, utilisation: float) -> int:
     """Web nodes of `cores` cores kept at `utilisation` that carry `rate_rps`."""
     return max(1, math.ceil(rate_rps * cpu_ms_per_request / 1000 / (cores * utilisation)))
+
+
+# A shard is planned at this share of its measured ceiling: room for bursts and for a node
+# that is slower than the one measured.
+SHARD_UTILISATION = 0.5
+
+
+def redis_shards(rate_rps: float, shard_rps: float, utilisation: float = SHARD_UTILISATION) -> int:
+    """Shards (SAMPLING_SHARDS, each one Redis master's core) that carry `rate_rps` with each
+    at `utilisation` of one shard's ceiling `shard_rps`."""
+    return max(1, math.ceil(rate_rps / (shard_rps * utilisation)))

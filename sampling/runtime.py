@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import redis
 from django.conf import settings
 
+from batching import topology
 from batching.aggregator import BatchAggregator
 from batching.policy import Policy, PolicyWatcher, policy_from_settings
 from batching.stats import RequestStats
@@ -44,18 +45,28 @@ def register_background_job(job: BackgroundJob) -> None:
 
 
 def redis_client() -> redis.Redis:
-    """This process's Redis client, over a bounded pool."""
+    """This process's client of the request path's Redis (SAMPLING_REDIS_URL), over a bounded
+    pool (per master on a cluster)."""
     pid = os.getpid()
     client = _clients.get(pid)
     if client is None:
-        pool = redis.BlockingConnectionPool.from_url(
-            settings.REDIS_URL,
-            max_connections=MAX_CONNECTIONS_PER_PROCESS,
-            timeout=2,
-            socket_timeout=5,
-            socket_connect_timeout=2,
-        )
-        client = _clients[pid] = redis.Redis(connection_pool=pool)
+        options = {"socket_timeout": 5, "socket_connect_timeout": 2}
+        if settings.SAMPLING_REDIS_CLUSTER:
+            client = topology.redis_client(
+                settings.SAMPLING_REDIS_URL,
+                cluster=True,
+                max_connections=MAX_CONNECTIONS_PER_PROCESS,
+                **{**options, "socket_connect_timeout": 0.5},
+            )
+        else:
+            pool = redis.BlockingConnectionPool.from_url(
+                settings.SAMPLING_REDIS_URL,
+                max_connections=MAX_CONNECTIONS_PER_PROCESS,
+                timeout=2,
+                **options,
+            )
+            client = redis.Redis(connection_pool=pool)
+        _clients[pid] = client
     return client
 
 
@@ -103,6 +114,7 @@ def web_process() -> WebProcess:
             settings.SAMPLING_QUEUE,
             max_batch_size=defaults.max_batch_size,
             deadline_ms=defaults.deadline_ms,
+            shards=settings.SAMPLING_SHARDS,
         )
         watcher = PolicyWatcher(client, settings.SAMPLING_QUEUE, defaults)
         watcher.on_change(
@@ -138,6 +150,6 @@ def warm_up() -> None:
             maybe_declare(queue, producer.channel)  # type: ignore[arg-type]  # a channel here
         backend = celery_app.backend
         if isinstance(backend, SharedListenerRedisBackend):  # as CELERY_RESULT_BACKEND says
-            backend.listener.ensure_started()
+            backend.listener.subscribe([keys.results for keys in web_process().aggregator.shards])
     except Exception as exc:  # noqa: BLE001 - Redis or the broker down at start: requests say so
         log.warning("web process warm-up incomplete: %s", exc)

@@ -1,8 +1,9 @@
 """HTTP views: POST /sample, GET /healthz, GET /readyz, GET /metrics.
 
-The request path never touches the database: one Lua call to join a batch, one Celery
-publish (by task name) for the request that opened it, and a wait on the batch's result
-through the process's shared result listener.
+The request path never touches the database: one short Lua call to join a batch (the only
+Redis round trip of a request), one Celery publish (by task name) and one confirmation for
+the request that opened it, and a wait on the batch's result through the process's shared
+result listener, which is subscribed already.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import time
 
 import redis
-from celery import states
+from celery.backends.redis import RedisBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from batching.outcomes import ItemOutcome, RequestOutcome
 from batching.protocol import RUN_BATCH_TASK
+from batching.results import queue_result
 from inference_site.celery import app as celery_app
 from sampling import metrics
 from sampling.runtime import WebProcess, web_process
@@ -90,8 +92,6 @@ def _sample(
     except redis.RedisError as exc:
         log.error("cannot reach Redis to queue a request: %s", exc)
         return RequestOutcome.ERROR, _reason(503, QUEUE_UNAVAILABLE, Retry_After="1")
-    if ticket.handover:  # a batch whose dispatcher did not confirm its send: send it again
-        _dispatch(process, ticket.handover)
     if ticket.rejected:
         return RequestOutcome.REJECTED, _reason(
             503,
@@ -110,6 +110,9 @@ def _sample(
         return RequestOutcome.TIMEOUT, _reason(
             504, f"no completion within the {deadline_ms} ms deadline"
         )
+    except redis.RedisError as exc:  # the batch's Redis node went down while it waited
+        log.error("batch %s: its results cannot arrive: %s", ticket.batch_id, exc)
+        return RequestOutcome.ERROR, _reason(503, QUEUE_UNAVAILABLE, Retry_After="1")
     except Exception as exc:  # noqa: BLE001 - whatever broke the batch, this request gets a 502
         log.error("batch %s failed: %s", ticket.batch_id, exc)
         return RequestOutcome.ERROR, _reason(502, "the sampler failed for this batch")
@@ -157,7 +160,11 @@ def _abandon(process: WebProcess, batch_id: str) -> None:
         members = process.aggregator.abandon(batch_id)
         answers = [[ItemOutcome.NOT_DISPATCHED, QUEUE_UNAVAILABLE] for _ in range(members)]
         # Stored and published as the task would have: every member's wait wakes now.
-        celery_app.backend.store_result(batch_id, answers, states.SUCCESS)
+        backend = celery_app.backend
+        assert isinstance(backend, RedisBackend)  # CELERY_RESULT_BACKEND is ours
+        with process.client.pipeline(transaction=False) as pipe:
+            queue_result(pipe, backend, batch_id, answers)
+            pipe.execute()
     except Exception as exc:  # noqa: BLE001 - Redis down too: the members time out instead
         log.error("batch %s abandoned, its members not answered: %s", batch_id, exc)
 

@@ -22,11 +22,16 @@ from celery import current_app, signals
 from celery.backends.redis import RedisBackend
 from django.conf import settings
 
-from batching import stats
-from batching.aggregator import HANDOVER_SCAN_MS, HEARTBEAT_TIMEOUT_MS, BatchAggregator
+from batching import stats, topology
+from batching.aggregator import (
+    HANDOVER_SCAN_MS,
+    HEARTBEAT_TIMEOUT_MS,
+    AdmissionInputs,
+    BatchAggregator,
+)
 from batching.policy import PolicyWatcher, policy_from_settings
 from batching.protocol import RUN_BATCH_TASK
-from batching.results import queue_success
+from batching.results import queue_result
 from workers.pipeline import BatchPipeline
 from workers.runner import BatchRunner, Result
 from workers.samplers import load_sampler
@@ -62,7 +67,7 @@ def queue_answers(pipe: redis.client.Pipeline, batch_id: str, answers: list[Resu
     backend = current_app.backend
     if not isinstance(backend, RedisBackend):  # CELERY_RESULT_BACKEND: a Redis backend
         raise TypeError(f"the result backend must be Redis, not {type(backend).__name__}")
-    queue_success(pipe, backend, batch_id, answers)
+    queue_result(pipe, backend, batch_id, answers)
 
 
 def store_failure(batch_id: str, exc: Exception) -> None:
@@ -79,10 +84,13 @@ def _resender(queue: str) -> Callable[[str], None]:
 
 def _aggregator() -> BatchAggregator:
     return BatchAggregator(
-        redis.Redis.from_url(settings.REDIS_URL, socket_timeout=10),
+        topology.redis_client(
+            settings.SAMPLING_REDIS_URL, cluster=settings.SAMPLING_REDIS_CLUSTER, socket_timeout=10
+        ),
         settings.SAMPLING_QUEUE,
         max_batch_size=settings.SAMPLING_MAX_BATCH_SIZE,
         deadline_ms=settings.SAMPLING_DEADLINE_MS,
+        shards=settings.SAMPLING_SHARDS,
     )
 
 
@@ -141,34 +149,47 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
     threading.Thread(target=_heartbeat_loop, args=(runner,), name="heartbeat", daemon=True).start()
     threading.Thread(
         target=_handover_loop,
-        args=(aggregator, resend),
+        args=(runner, resend),
         name="handover",
         daemon=True,
     ).start()
 
 
-def _handover_loop(aggregator: BatchAggregator, resend: Callable[[str], None]) -> None:
+def _handover_loop(runner: BatchRunner, resend: Callable[[str], None]) -> None:
     """Send again the task of any batch due for a hand-over (a dispatcher or a worker died
-    before the send or the seal), even when no request comes after it to do so."""
-    while not _stop.wait(HANDOVER_SCAN_MS / 1000):
-        try:
-            for batch_id in aggregator.take_due_handovers():
-                log.warning("batch %s was due for a hand-over: sending its task again", batch_id)
-                resend(batch_id)
-        except Exception as exc:  # noqa: BLE001 - Redis or the broker away: the next scan tries
-            log.warning("hand-over scan failed: %s", exc)
+    before the send or the seal) on a shard this worker has not sealed lately: a seal takes a
+    shard's hand-overs itself, so under load this costs nothing."""
+    aggregator = runner.aggregator
+    scan_s = HANDOVER_SCAN_MS / 1000
+    while not _stop.wait(scan_s):
+        now = time.monotonic()
+        for index, keys in enumerate(aggregator.shards):
+            # Sealed lately (by this worker; the others' seals take hand-overs too): a shard
+            # with traffic needs no scan. Three periods, as a worker's own seals come about
+            # one call apart.
+            if now - runner.sealed_at.get(keys.tag, float("-inf")) < 3 * scan_s:
+                continue
+            try:
+                for batch_id in aggregator.take_due_handovers(index):
+                    log.warning(
+                        "batch %s was due for a hand-over: sending its task again", batch_id
+                    )
+                    resend(batch_id)
+            except Exception as exc:  # noqa: BLE001 - Redis or the broker away: the next scan
+                log.warning("hand-over scan of %s failed: %s", keys.tag, exc)
 
 
 def _heartbeat_loop(runner: BatchRunner) -> None:
     """Once a second: liveness (for admission and /readyz), the worker's row of the stats
-    page, its alive-seconds (for busy %), and its Prometheus metrics: two round trips."""
+    page, its alive-seconds (for busy %), its Prometheus metrics, and every shard's admission
+    figures: two round trips, and one per shard."""
     aggregator = runner.aggregator
     info_key = aggregator.keys.worker_info(runner.worker)
     while not _stop.is_set():
         busy_since = runner.busy_since
         now = time.time()
         try:
-            aggregator.heartbeat(runner.worker)
+            runner.live_workers = max(1, aggregator.heartbeat(runner.worker))
             policy = runner.policy()
             info = {
                 "worker": runner.worker,
@@ -189,7 +210,9 @@ def _heartbeat_loop(runner: BatchRunner) -> None:
                 pipe.set(info_key, json.dumps(info), px=WORKER_INFO_TTL_MS)
                 stats.add_counts(pipe, aggregator.queue, now, stats.alive_counts(runner.worker))
                 runner.metrics.publish(pipe, aggregator.queue, now)
+                aggregator.queue_turn_ms(pipe, runner.turn_ms)
                 pipe.execute()
+            aggregator.refresh_admission(AdmissionInputs(runner.live_workers, runner.turn_ms))
         except redis.RedisError as exc:
             log.warning("heartbeat failed: %s", exc)
         _stop.wait(HEARTBEAT_INTERVAL_S)

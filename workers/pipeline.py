@@ -61,6 +61,13 @@ def auto_call_timeout_ms(estimate_ms: float) -> float:
 
 
 @dataclass(frozen=True)
+class _Resend:
+    """For the reporter: batches due for a hand-over that a seal took, to send again."""
+
+    batch_ids: list[str]
+
+
+@dataclass(frozen=True)
 class _Report:
     """For the reporter: a finished turn (its answers to publish first, or out already), or
     the exception that failed a batch whole."""
@@ -104,7 +111,9 @@ class BatchPipeline:
         self._finished = 0
         self._closed = False
         # For the reporter: a sampled turn whose answers are out, or a batch that failed.
-        self._reports: queue.SimpleQueue[_Report | None] = queue.SimpleQueue()
+        self._reports: queue.SimpleQueue[_Report | _Resend | None] = queue.SimpleQueue()
+        # A seal's hand-overs are sent by the reporter, not between the seal and the call.
+        runner.on_handovers = lambda batch_ids: self._reports.put(_Resend(batch_ids))
         self._threads = [
             threading.Thread(target=self._gpu_loop, name="gpu", daemon=True),
             threading.Thread(target=self._report_loop, name="reporter", daemon=True),
@@ -223,16 +232,30 @@ class BatchPipeline:
     # --- the reporter thread ---------------------------------------------------------------
     def _report_loop(self) -> None:
         while (report := self._reports.get()) is not None:
+            if isinstance(report, _Resend):
+                self._hand_over(report.batch_ids)
+                continue
             batch_id, outcome = report.batch_id, report.outcome
             try:
                 if isinstance(outcome, Exception):
                     self._store_failure(batch_id, outcome)
                     continue
-                if report.publish:
-                    self._publish(batch_id, outcome.answers)
-                self.runner.finish(outcome)
-            except Exception:  # a lost record must never stop the reports of the next
+                # The answers, then the record and statistics: one round trip.
+                with self.runner.aggregator.client.pipeline(transaction=False) as pipe:
+                    if report.publish:
+                        self._queue_answers(pipe, batch_id, outcome.answers)
+                    self.runner.finish(outcome, pipe)
+                    pipe.execute()
+            except Exception:  # the members time out at their deadline instead
                 log.exception("batch %s could not be reported", batch_id)
+
+    def _hand_over(self, batch_ids: list[str]) -> None:
+        for batch_id in batch_ids:
+            log.warning("batch %s was due for a hand-over: sending its task again", batch_id)
+            try:
+                self._resend(batch_id)
+            except Exception:
+                log.exception("batch %s could not be sent again", batch_id)
 
     # --- the watchdog thread ---------------------------------------------------------------
     def _watchdog_loop(self) -> None:

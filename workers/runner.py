@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from batching import stats
-from batching.aggregator import BatchAggregator, Item, SealedBatch
+from batching.aggregator import AdmissionInputs, BatchAggregator, Item, SealedBatch
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
 from workers.metrics import WorkerMetrics
@@ -85,6 +85,17 @@ class BatchRunner:
         # queued batches with.
         self.turn_ms = 0.0
         self.batches = 0
+        # Live workers of the queue, as the last heartbeat counted them (this one included):
+        # passed with every seal for the shard's admission.
+        self.live_workers = 1
+        # Batches due for a hand-over that a seal took: their tasks must be sent again. A
+        # worker's pipeline does it off the GPU's path; by default, only logged.
+        self.on_handovers: Callable[[list[str]], None] = lambda batch_ids: log.warning(
+            "batches due for a hand-over, not sent again: %s", batch_ids
+        )
+        # monotonic time of this worker's last seal, per shard tag: a shard sealed recently
+        # needs no scan for hand-overs.
+        self.sealed_at: dict[str, float] = {}
         self.busy_s = 0.0
         self.busy_since: float | None = None  # monotonic time the running call started
 
@@ -92,6 +103,7 @@ class BatchRunner:
         self.apply_policy()
         self.estimate_ms = self.turn_ms = self.sampler.warm_up()
         self.aggregator.publish_turn_ms(self.turn_ms)
+        self.aggregator.refresh_admission(self.admission_inputs())
         log.info("sampler %s warmed up: %.1f ms per call", self.sampler.name, self.estimate_ms)
 
     def apply_policy(self) -> Policy:
@@ -125,7 +137,10 @@ class BatchRunner:
         call cannot meet; None when it was sealed before."""
         began = time.perf_counter()
         policy = self.apply_policy()
-        sealed = self.aggregator.seal(batch_id)
+        sealed = self.aggregator.seal(batch_id, self.admission_inputs())
+        self.sealed_at[self.aggregator.shard_of(batch_id).tag] = time.monotonic()
+        if sealed.handovers:
+            self.on_handovers(sealed.handovers)
         if sealed.sealed_before:
             log.info("batch %s was sealed by an earlier task: nothing to run", batch_id)
             return None
@@ -145,25 +160,26 @@ class BatchRunner:
         chunks = [live[start : start + size] for start in range(0, len(live), size)]
         return Turn(batch_id, sealed, policy, results, chunks, began)
 
+    def admission_inputs(self) -> AdmissionInputs:
+        return AdmissionInputs(workers=self.live_workers, turn_ms=self.turn_ms)
+
     def sample(self, turn: Turn) -> None:
         """The turn's sampler calls: every live item gets its answer."""
         for chunk in turn.chunks:
             turn.sampler_ms += self._sample(turn.batch_id, turn.sealed.items, chunk, turn.results)
         turn.ended = time.perf_counter()
 
-    def finish(self, turn: Turn) -> None:
-        """Count, record and learn from a sampled turn: off the GPU's path in a pipeline."""
+    def finish(self, turn: Turn, pipe: redis.client.Pipeline | None = None) -> None:
+        """Count, record and learn from a sampled turn: off the GPU's path in a pipeline. The
+        record is queued on `pipe` when given (a worker sends it with the batch's answers),
+        else sent at once. The new turn figure reaches admission with the next seal."""
         # Written only by the thread that finishes turns; the heartbeat thread just reads.
         self.batches += 1
         self.busy_s += turn.sampler_ms / 1000
-        self._record(turn)
+        self._record(turn, pipe)
         if turn.chunks:  # a batch dropped whole took no GPU time: not a turn to learn from
             turn_ms = (turn.ended - turn.began) * 1000
             self.turn_ms += ESTIMATE_WEIGHT * (turn_ms - self.turn_ms)
-            try:
-                self.aggregator.publish_turn_ms(self.turn_ms)
-            except redis.RedisError as exc:  # admission uses the last figure a while longer
-                log.warning("could not publish the turn's duration: %s", exc)
 
     def _sample(
         self, batch_id: str, items: list[Item], indexes: list[int], results: dict[int, Result]
@@ -195,7 +211,7 @@ class BatchRunner:
         self.estimate_ms += ESTIMATE_WEIGHT * (sampler_ms - self.estimate_ms)
         return sampler_ms
 
-    def _record(self, turn: Turn) -> None:
+    def _record(self, turn: Turn, pipe: redis.client.Pipeline | None) -> None:
         batch_id, sealed, policy = turn.batch_id, turn.sealed, turn.policy
         results, sampler_ms, calls = turn.answers, turn.sampler_ms, len(turn.chunks)
         counts = Counter(ItemOutcome(outcome) for outcome, _ in results)
@@ -216,19 +232,19 @@ class BatchRunner:
         self.metrics.observe_batch(
             size=len(results), expired=expired, queue_wait_ms=queue_wait_ms, sampler_ms=sampler_ms
         )
+        statistics = stats.batch_counts(
+            worker=self.worker,
+            size=len(results),
+            expired=expired,
+            queue_wait_ms=queue_wait_ms,
+            sampler_ms=sampler_ms,
+            calls=calls,
+            max_batch_size=policy.max_batch_size,
+        )
+        if pipe is not None:
+            self.aggregator.queue_record(pipe, json.dumps(record), statistics, time.time())
+            return
         try:
-            self.aggregator.record_batch(
-                json.dumps(record),
-                stats.batch_counts(
-                    worker=self.worker,
-                    size=len(results),
-                    expired=expired,
-                    queue_wait_ms=queue_wait_ms,
-                    sampler_ms=sampler_ms,
-                    calls=calls,
-                    max_batch_size=policy.max_batch_size,
-                ),
-                time.time(),
-            )
+            self.aggregator.record_batch(json.dumps(record), statistics, time.time())
         except Exception:  # a lost record must never lose the batch's answers
             log.exception("could not record batch %s", batch_id)

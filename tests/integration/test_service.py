@@ -15,7 +15,7 @@ import redis
 from celery import Celery
 
 from batching.aggregator import DISPATCH_GRACE_MS, BatchAggregator
-from batching.keys import QueueKeys
+from batching.keys import ShardKeys
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
 from inference_site.lib.embedded_redis import free_port
@@ -191,7 +191,7 @@ def test_a_batch_whose_task_cannot_be_sent_is_closed_and_answered_at_once(
         assert "batch queue unavailable" in reply.body
         assert reply.seconds < deadline_s * 0.9, reply.seconds  # refused, not timed out
     client = redis.Redis.from_url(stack.env["REDIS_URL"])
-    keys = QueueKeys(stack.env["SAMPLING_QUEUE"])
+    keys = ShardKeys(stack.env["SAMPLING_QUEUE"])  # the one shard's tag is the queue's
     assert client.get(keys.open_batch) is None
     assert client.zcard(keys.unsealed) == 0
     assert client.zcard(keys.handover_due) == 0

@@ -116,7 +116,7 @@ def test_a_worker_killed_mid_call_loses_only_the_batch_it_was_running(
     )
     client = redis.Redis.from_url(stack.env["REDIS_URL"])
     queue = stack.env["SAMPLING_QUEUE"]
-    keys = BatchAggregator(client, queue).keys
+    keys = BatchAggregator(client, queue).shards[0]
     while live_workers(stack) < 2:
         time.sleep(0.1)
     replies: dict[str, Reply] = {}

@@ -9,7 +9,7 @@ from collections import deque
 import redis
 
 from batching import admission
-from batching.aggregator import BatchAggregator
+from batching.aggregator import AdmissionInputs, BatchAggregator
 from planning import simulation
 from tests.support import unique_queue
 
@@ -24,17 +24,15 @@ def lua_decision(
     client: redis.Redis, ages: list[int], open_queued: bool, workers: int, turn_ms: int
 ) -> tuple[bool, int]:
     aggregator = BatchAggregator(client, unique_queue("adm"), deadline_ms=DEADLINE_MS)
-    keys = aggregator.keys
+    keys = aggregator.shards[0]
     seconds, micros = client.time()
     now_ms = seconds * 1000 + micros // 1000
     for index, age in enumerate(ages):
         client.zadd(keys.unsealed, {f"b{index}": now_ms - age})
     if open_queued:
         client.set(keys.open_batch, f"b{len(ages) - 1}")  # the newest batch is the open one
-    for worker in range(workers):
-        aggregator.heartbeat(f"w{worker}")
-    if turn_ms:
-        aggregator.publish_turn_ms(turn_ms)
+    # What a worker's heartbeat gives every shard; the request only reads the outcome.
+    aggregator.refresh_admission(AdmissionInputs(workers=workers, turn_ms=turn_ms))
     ticket = aggregator.append("p", DEADLINE_MS)
     return ticket.rejected, ticket.predicted_ms
 

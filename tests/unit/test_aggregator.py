@@ -8,9 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
+from redis.crc import key_slot
 
 from batching import admission
-from batching.aggregator import DISPATCH_GRACE_MS, BatchAggregator
+from batching.aggregator import DISPATCH_GRACE_MS, AdmissionInputs, BatchAggregator
+from batching.keys import tag_of
 from tests.support import unique_queue
 
 
@@ -36,7 +38,7 @@ def test_first_append_opens_and_later_ones_join(aggregator: BatchAggregator) -> 
 def test_an_item_holds_its_deadline_and_prompt_only(aggregator: BatchAggregator) -> None:
     """Nothing per request is stored that no one reads (a request id was, once)."""
     ticket = aggregator.append("a prompt", 500)
-    (raw,) = aggregator.client.lrange(aggregator.keys.batch(ticket.batch_id), 0, -1)
+    (raw,) = aggregator.client.lrange(aggregator.shards[0].batch(ticket.batch_id), 0, -1)
     deadline, prompt = raw.split(b" ", 1)
     assert prompt == b"a prompt"
     assert int(deadline) == aggregator.seal(ticket.batch_id).items[0].deadline_ms
@@ -73,8 +75,8 @@ def test_seal_takes_everything_so_far_and_later_appends_open_a_new_batch(
 
 def test_batch_data_expires_on_its_own(aggregator: BatchAggregator) -> None:
     ticket = aggregator.append("p", 500)
-    batch_ttl = aggregator.client.pttl(aggregator.keys.batch(ticket.batch_id))
-    open_ttl = aggregator.client.pttl(aggregator.keys.open_batch)
+    batch_ttl = aggregator.client.pttl(aggregator.shards[0].batch(ticket.batch_id))
+    open_ttl = aggregator.client.pttl(aggregator.shards[0].open_batch)
     assert 0 < batch_ttl <= aggregator.ttl_ms
     assert 0 < open_ttl <= aggregator.ttl_ms
     assert aggregator.ttl_ms <= 10 * aggregator.deadline_ms
@@ -103,7 +105,7 @@ def test_concurrent_appends_never_lose_or_duplicate(redis_url: str) -> None:
     def sealer() -> None:
         aggregator = BatchAggregator(redis.Redis.from_url(redis_url), queue, max_batch_size=37)
         while appending.is_set():
-            batch_id = aggregator.client.get(aggregator.keys.open_batch)
+            batch_id = aggregator.client.get(aggregator.shards[0].open_batch)
             if batch_id:
                 items = aggregator.seal(batch_id.decode()).items
                 sealed.setdefault(batch_id.decode(), []).extend(i.prompt for i in items)
@@ -133,8 +135,7 @@ def test_admission_refuses_only_a_backlog_that_cannot_meet_the_deadline(
 ) -> None:
     # No live worker: always accepted (the request waits for its deadline).
     assert not aggregator.append("p", 10).rejected
-    aggregator.heartbeat("w1")
-    aggregator.publish_turn_ms(100)
+    aggregator.refresh_admission(AdmissionInputs(workers=1, turn_ms=100))  # a heartbeat
     # One batch open, none ahead of it: accepted even with a budget below one call.
     assert not aggregator.append("p", 50).rejected
     # Close the open batch by filling it, so batches pile up behind the single worker.
@@ -142,14 +143,41 @@ def test_admission_refuses_only_a_backlog_that_cannot_meet_the_deadline(
     for _ in range(4):
         assert not backlog.append("p", 500).rejected
     # 4 batches unsealed, 1 worker: the next batch would wait for them and for the call
-    # that may have just started, then take its own: about 600 ms in the worst case.
+    # that may have just started, then take its own: about 600 ms in the worst case. Each
+    # batch that closed refreshed the figure: no heartbeat was needed.
     refused = backlog.append("p", 500)
     assert refused.rejected
     assert refused.predicted_ms == admission.predicted_ms(4, 1, 100)
     assert not backlog.append("p", refused.predicted_ms).rejected  # a patient one
     # Two workers halve the prediction.
-    aggregator.heartbeat("w2")
+    aggregator.refresh_admission(AdmissionInputs(workers=2, turn_ms=100))
     assert not backlog.append("p", 500).rejected
+
+
+def test_a_seal_refreshes_admission_with_the_sealers_figures(
+    aggregator: BatchAggregator,
+) -> None:
+    backlog = BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=1)
+    tickets = [backlog.append("p", 500) for _ in range(6)]
+    assert not any(ticket.rejected for ticket in tickets)  # no worker has said anything yet
+    backlog.seal(tickets[0].batch_id, AdmissionInputs(workers=1, turn_ms=100))
+    assert backlog.append("p", 500).rejected  # 5 ahead of one worker
+    backlog.seal(tickets[1].batch_id, AdmissionInputs(workers=4, turn_ms=100))
+    assert not backlog.append("p", 500).rejected  # 4 workers clear them in time
+
+
+def test_shards_spread_requests_and_keep_their_own_batches(redis_client: redis.Redis) -> None:
+    sharded = BatchAggregator(redis_client, unique_queue("shards"), shards=3)
+    tickets = [sharded.append(f"p{i}", 500) for i in range(9)]
+    batch_ids = {ticket.batch_id for ticket in tickets}
+    assert len(batch_ids) == 3  # one open batch per shard, taken in turn
+    assert {tag_of(batch_id) for batch_id in batch_ids} == {keys.tag for keys in sharded.shards}
+    for batch_id in batch_ids:
+        sealed = sharded.seal(batch_id)
+        assert sorted(item.prompt for item in sealed.items) == sorted(
+            f"p{i}" for i, ticket in enumerate(tickets) if ticket.batch_id == batch_id
+        )
+    assert len({key_slot(keys.open_batch.encode()) for keys in sharded.shards}) == 3
 
 
 def test_heartbeats_count_live_workers(aggregator: BatchAggregator) -> None:
@@ -178,19 +206,28 @@ def test_ticket_batch_ids_are_unique_across_queues(redis_client: redis.Redis) ->
 def test_a_batch_whose_send_is_not_confirmed_is_handed_over_once(
     aggregator: BatchAggregator,
 ) -> None:
-    """The opener died between its append and its Celery send: after DISPATCH_GRACE_MS the
-    next request is told to send the batch's task, and only that one."""
+    """The opener died between its append and its Celery send: after DISPATCH_GRACE_MS a
+    worker's scan is told to send the batch's task, and only that one."""
     orphan = aggregator.append("joined a batch no task will seal", 500)
     assert orphan.opened
-    assert orphan.handover == ""
-    assert aggregator.append("too soon to tell", 500).handover == ""
+    assert aggregator.take_due_handovers() == []  # too soon to tell
     time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    taker = aggregator.append("after the grace", 500)
-    assert taker.handover == orphan.batch_id
-    assert aggregator.append("another one", 500).handover == ""  # re-armed for the taker
+    assert aggregator.take_due_handovers() == [orphan.batch_id]
+    assert aggregator.take_due_handovers() == []  # re-armed for the taker
     aggregator.dispatched(orphan.batch_id)  # the taker's send went through
     time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    assert aggregator.append("later", 500).handover == ""
+    assert aggregator.take_due_handovers() == []
+
+
+def test_a_seal_takes_the_batches_due_for_a_hand_over(aggregator: BatchAggregator) -> None:
+    """Under load a worker seals often: its seal takes the shard's due hand-overs, so no
+    scan is needed."""
+    full = BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=1)
+    orphan = full.append("in a batch whose task was never sent", 500)
+    running = full.append("in the next batch, sealed by a worker", 500)
+    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
+    assert full.seal(running.batch_id).handovers == [orphan.batch_id]
+    assert aggregator.take_due_handovers() == []  # taken by the seal
 
 
 def test_a_confirmed_or_sealed_batch_is_never_handed_over(aggregator: BatchAggregator) -> None:
@@ -200,7 +237,7 @@ def test_a_confirmed_or_sealed_batch_is_never_handed_over(aggregator: BatchAggre
     unconfirmed = aggregator.append("p", 500)  # sealed by a worker before any confirmation
     aggregator.seal(unconfirmed.batch_id)
     time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    assert aggregator.append("p", 500).handover == ""
+    assert aggregator.take_due_handovers() == []
 
 
 def test_an_abandoned_batch_takes_no_more_members(aggregator: BatchAggregator) -> None:
@@ -212,26 +249,26 @@ def test_an_abandoned_batch_takes_no_more_members(aggregator: BatchAggregator) -
     assert after.batch_id != first.batch_id
     time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
     # Only the batch still waiting for its send is handed over; the abandoned one is no one's.
-    assert aggregator.append("p3", 500).handover == after.batch_id
+    assert aggregator.take_due_handovers() == [after.batch_id]
 
 
 def test_a_held_batch_its_worker_does_not_seal_is_handed_over_once(
     aggregator: BatchAggregator,
 ) -> None:
     """A worker received the batch's task ahead of its seal and died: a grace after the seal
-    it expected, the next request is told to send the task again; once, since the holder
-    may only be slow, and a second send queues like any task."""
+    it expected, another worker's scan is told to send the task again; once, since the
+    holder may only be slow, and a second send queues like any task."""
     held = aggregator.append("held by a worker that dies", 5000)
     aggregator.dispatched(held.batch_id)  # sent: no hand-over for the dispatch
     assert aggregator.hold(held.batch_id, seal_in_ms=50)
     # A late confirmation of the dispatch cannot cancel the hold.
     aggregator.dispatched(held.batch_id)
     time.sleep((50 + DISPATCH_GRACE_MS) / 1000 - 0.05)
-    assert aggregator.append("before the grace", 5000).handover == ""
+    assert aggregator.take_due_handovers() == []  # before the grace
     time.sleep(0.07)
-    assert aggregator.append("after the grace", 5000).handover == held.batch_id
+    assert aggregator.take_due_handovers() == [held.batch_id]
     time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    assert aggregator.append("later", 5000).handover == ""
+    assert aggregator.take_due_handovers() == []
 
 
 def test_a_sealed_batch_is_neither_held_nor_handed_over(aggregator: BatchAggregator) -> None:
@@ -241,17 +278,4 @@ def test_a_sealed_batch_is_neither_held_nor_handed_over(aggregator: BatchAggrega
     assert aggregator.seal(held.batch_id).items  # its worker sealed it
     assert not aggregator.hold(held.batch_id, seal_in_ms=0)  # nothing left to hold
     time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    assert aggregator.append("after", 5000).handover == ""
-
-
-def test_a_worker_scan_takes_each_due_batch_once(aggregator: BatchAggregator) -> None:
-    """With no request after it (every client waits in it), a held batch of a dead worker is
-    taken by the other workers' scan instead."""
-    held = aggregator.append("everyone waits here", 5000)
-    aggregator.dispatched(held.batch_id)
-    assert aggregator.hold(held.batch_id, seal_in_ms=0)
-    assert aggregator.take_due_handovers() == []  # not due yet
-    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    assert aggregator.take_due_handovers() == [held.batch_id]
-    assert aggregator.take_due_handovers() == []  # taken once
-    assert aggregator.append("a later request", 5000).handover == ""
+    assert aggregator.take_due_handovers() == []

@@ -81,7 +81,7 @@ class Harness:
 
     def next_batch(self, *prompts: str) -> str:
         """A batch of its own: close the open one to newcomers first."""
-        self.client.delete(self.aggregator.keys.open_batch)
+        self.client.delete(self.aggregator.shards[0].open_batch)
         return self.batch(*prompts)
 
     def published(self, count: int, timeout_s: float = 5.0) -> list[tuple[str, list[Result]]]:
@@ -149,12 +149,12 @@ def test_a_batch_received_while_the_gpu_is_busy_is_held_then_sealed(harness: Mak
     deadline = time.monotonic() + 1
     held = None
     while held is None and time.monotonic() < deadline:
-        held = h.client.zscore(h.aggregator.keys.handover_due, second + HELD_SUFFIX)
+        held = h.client.zscore(h.aggregator.shards[0].handover_due, second + HELD_SUFFIX)
     assert held is not None  # due for a hand-over if this worker died before the seal
     submitted.join(5)
     assert [batch for batch, _ in h.published(2)] == [first, second]
     # Sealed by this worker: no longer due for a hand-over.
-    assert h.client.zscore(h.aggregator.keys.handover_due, second + HELD_SUFFIX) is None
+    assert h.client.zscore(h.aggregator.shards[0].handover_due, second + HELD_SUFFIX) is None
 
 
 def test_a_batch_with_nothing_left_to_sample_is_answered_without_a_call(

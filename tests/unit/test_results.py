@@ -100,7 +100,7 @@ def test_failure_state_propagates_as_an_exception(app: Celery) -> None:
 
 
 def test_listener_survives_a_dropped_connection(app: Celery, redis_url: str) -> None:
-    listener = listener_for(redis_url, backend_of(app))
+    listener = listener_for(backend_of(app))
     task_id = uuid.uuid4().hex
     # Make sure the listener is connected, then kill its connection from the server side.
     store(app, "warm-" + task_id, [1])

@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 from django.core.management import CommandError, call_command
 
-from planning.costs import MEASURED, MeasuredCosts
-from planning.simulation import Scenario, fewest_gpus, simulate, web_nodes
+from planning.costs import MEASURED, MEASURED_SHARD, MeasuredCosts
+from planning.management.commands.capacity import TABLE_RATES
+from planning.simulation import Scenario, fewest_gpus, redis_shards, simulate, web_nodes
 
 
 def test_a_lone_request_costs_dispatch_call_and_path() -> None:
@@ -104,9 +105,13 @@ def test_capacity_command_table_and_refusals() -> None:
     call_command("capacity", "--rps", "1000", "--deadline-ms", "500", "--seconds", "5",
                  "--table", stdout=out)  # fmt: skip
     rows = [line for line in out.getvalue().splitlines() if re.match(r"\| [\d,]+ \|", line)]
-    assert [row.split("|")[1].strip() for row in rows] == [
-        "1,000", "5,000", "10,000", "20,000", "50,000",
-    ]  # fmt: skip
+    assert [row.split("|")[1].strip() for row in rows] == [f"{rate:,}" for rate in TABLE_RATES]
+    # The last column: Redis shards at half of one shard's measured ceiling.
+    assert MEASURED_SHARD is not None
+    assert [int(row.split("|")[-2]) for row in rows] == [
+        redis_shards(rate, MEASURED_SHARD.shard_rps) for rate in TABLE_RATES
+    ]
+    assert redis_shards(100_000, MEASURED_SHARD.shard_rps) > redis_shards(1_000, 1e9) == 1
     with pytest.raises(CommandError, match="no number of GPUs meets it"):
         call_command("capacity", "--rps", "100", "--deadline-ms", "80", stdout=io.StringIO())
     with pytest.raises(CommandError, match="max-batch"):

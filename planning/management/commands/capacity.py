@@ -1,9 +1,12 @@
-"""`python manage.py capacity --rps 20000 --deadline-ms 500`: how many GPUs, and web nodes.
+"""`python manage.py capacity --rps 20000 --deadline-ms 500`: how many GPUs, web nodes and Redis
+shards.
 
 The answer comes from a discrete-event simulation of the service's own policy
 (planning/simulation.py): Poisson arrivals, lazy sealing by free GPUs, deadline drops and
 admission, searched upward from the analytic lower bound: the fewest GPUs whose full batches
-carry more than the rate, a turn being one call and the measured gap between two calls.
+carry more than the rate, a turn being one call and the measured gap between two calls. Web
+nodes follow from the front end's measured CPU per request; Redis shards (SAMPLING_SHARDS, a
+master each) from one shard's measured ceiling (bench/shard_ceiling.py), planned at half of it.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from batching.policy import MAX_BATCH_SIZE
 from planning import simulation
-from planning.costs import MEASURED
+from planning.costs import MEASURED, MEASURED_SHARD
 
 # Front-end CPU per /sample request, measured by `make bench-compare` (docs/benchmarks:
 # ours at 90% load, N = 1, 2026-11-21) on the 2-core machine that README's figures come from.
 MEASURED_WEB_CPU_MS = 0.64
-TABLE_RATES = [1_000, 5_000, 10_000, 20_000, 50_000]
+TABLE_RATES = [1_000, 10_000, 20_000, 50_000, 100_000]
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class Options:
     gap_ms: float
     web_node_cores: int
     web_utilisation: float
+    redis_shard_rps: float
     seconds: float
     seed: int
     table: bool
@@ -74,6 +78,21 @@ class Options:
         return simulation.web_nodes(
             rate, self.web_cpu_ms, self.web_node_cores, self.web_utilisation
         )
+
+    def redis_shards(self, rate: float) -> int:
+        if self.redis_shard_rps <= 0:
+            raise CommandError("--redis-shard-rps must be above 0 (no measured ceiling yet)")
+        return simulation.redis_shards(rate, self.redis_shard_rps)
+
+    @property
+    def redis_basis(self) -> str:
+        basis = (
+            f"{simulation.SHARD_UTILISATION:.0%} of {self.redis_shard_rps:,.0f} req/s, "
+            "one shard's ceiling"
+        )
+        if MEASURED_SHARD is not None and self.redis_shard_rps == MEASURED_SHARD.shard_rps:
+            basis += f", {MEASURED_SHARD.source}"
+        return basis
 
     @property
     def measured_costs(self) -> bool:
@@ -116,6 +135,14 @@ class Command(BaseCommand):
             parser.add_argument(
                 name, type=float, default=value, help=f"{what} (default {value}, measured)"
             )
+        shard_rps = MEASURED_SHARD.shard_rps if MEASURED_SHARD is not None else 0.0
+        parser.add_argument(
+            "--redis-shard-rps",
+            type=float,
+            default=shard_rps,
+            help=f"requests/s one Redis shard carries at p99 under 5 ms (default "
+            f"{shard_rps:,.0f}, measured by `python -m bench.shard_ceiling --write`)",
+        )
         parser.add_argument("--web-node-cores", type=int, default=16)
         parser.add_argument(
             "--web-utilisation",
@@ -168,6 +195,10 @@ class Command(BaseCommand):
         )
         write(f"  web nodes:             {options.web_nodes(base.rate_rps)}  ({options.web_basis})")
         write(
+            f"  Redis shards:          {options.redis_shards(base.rate_rps)}  "
+            f"(SAMPLING_SHARDS, a master each, at {options.redis_basis})"
+        )
+        write(
             f"  fixed costs:           {base.dispatch_ms:g} ms dispatch, {base.gap_ms:g} ms "
             f"between calls, {base.path_ms:g} ms back to the client"
             + (f"  ({MEASURED.source})" if options.measured_costs else "")
@@ -184,8 +215,8 @@ class Command(BaseCommand):
         q = options.percentile
         lines = [
             f"| req/s | lower bound | GPUs (p{q:g}) | goodput | batch fill | p50 | p99 "
-            "| web nodes |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| web nodes | Redis shards |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for rate in TABLE_RATES:
             plan = simulation.fewest_gpus(options.scenario(rate), q)
@@ -194,7 +225,7 @@ class Command(BaseCommand):
                 f"| {rate:,} | {plan.lower_bound} | {plan.gpus} | {out.goodput_rps:,.0f} "
                 f"| {out.mean_batch / out.scenario.max_batch:.0%} "
                 f"| {_ms(out.percentile_ms(50))} | {_ms(out.percentile_ms(99))} "
-                f"| {options.web_nodes(rate)} |"
+                f"| {options.web_nodes(rate)} | {options.redis_shards(rate)} |"
             )
         return "\n".join(lines)
 

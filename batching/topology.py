@@ -1,0 +1,34 @@
+"""Where the request path's Redis lives: one server, or a Redis/Valkey cluster.
+
+SAMPLING_REDIS_URL names a server, or a seed node of a cluster when SAMPLING_REDIS_CLUSTER is
+on; every process builds its clients here. A cluster client offers the same commands (and
+Lua scripts, routed by their keys' slot) as a plain one, so the rest of the project types it
+as `redis.Redis`. Django-free: settings pass plain values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+# A cluster client gives up on a dead master at once (the node's shards answer 503), instead
+# of retrying with back-off for seconds while requests wait: the other masters keep serving.
+CLUSTER_OPTIONS: dict[str, Any] = {
+    "socket_connect_timeout": 0.5,
+    "retry": Retry(NoBackoff(), retries=0),
+}
+
+
+def redis_client(url: str, cluster: bool = False, **options: Any) -> redis.Redis:
+    """A client of the server at `url`, or of the cluster `url` is a node of."""
+    if cluster:
+        return cast(redis.Redis, RedisCluster.from_url(url, **{**CLUSTER_OPTIONS, **options}))
+    return redis.Redis.from_url(url, **options)
+
+
+def is_cluster(client: object) -> bool:
+    return isinstance(client, RedisCluster)
