@@ -120,9 +120,11 @@ class Bench:
                 return results, cpu_us, commands(client) - commands_before
 
             results, per_request_us, commands_run = measured("/sample")
-            set_results, set_view_us, _ = measured(SET_VIEW)
-            if set_results.share(RequestOutcome.OK) < 0.99:
-                raise RuntimeError(f"the SET view failed: {set_results.examples}")
+            set_view_us = float("nan")  # an older tree has no SET view: compare µs/request
+            if tree.root == ROOT:
+                set_results, set_view_us, _ = measured(SET_VIEW)
+                if set_results.share(RequestOutcome.OK) < 0.99:
+                    raise RuntimeError(f"the SET view failed: {set_results.examples}")
             stack.stop()  # nothing else on the server while the SETs run
             set_us = set_round_trip_us(client)
             figures = {
