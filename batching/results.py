@@ -262,8 +262,6 @@ class ResultListener:
             node = self._node_for(channel)
             self._node_of[channel] = node
             node.subscribe(channel)
-        elif node.down:
-            pass  # the wait ends when the reconnect fails again, or at its timeout
 
     def _node_for(self, channel: str) -> _Node:
         if self.cluster:
@@ -384,13 +382,6 @@ def _queue_store(
         pipe.execute_command("SPUBLISH", channel, message)
     else:
         pipe.publish(channel, message)
-
-
-# Kept for callers of the issue-12 name.
-def queue_success(
-    pipe: redis.client.Pipeline, backend: RedisBackend, task_id: str, result: Any
-) -> None:
-    queue_result(pipe, backend, task_id, result)
 
 
 _listeners: dict[tuple[int, int], ResultListener] = {}

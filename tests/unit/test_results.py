@@ -16,7 +16,7 @@ import redis
 from celery import Celery, states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
-from batching.results import SharedListenerRedisBackend, listener_for, queue_success
+from batching.results import SharedListenerRedisBackend, listener_for, queue_result
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ def test_listener_survives_a_dropped_connection(app: Celery, redis_url: str) -> 
 def test_a_success_queued_on_a_pipeline_is_stored_as_celery_stores_one(
     app: Celery, redis_url: str
 ) -> None:
-    """A worker publishes a batch's answers in a pipeline of its own (queue_success): the
+    """A worker publishes a batch's answers in a pipeline of its own (queue_result): the
     waiters get them as from store_result, and the stored meta is Celery's own."""
     answers = [["ok", "first"], ["expired", "deadline could not be met"]]
     by_celery, by_pipeline = uuid.uuid4().hex, uuid.uuid4().hex
@@ -133,7 +133,7 @@ def test_a_success_queued_on_a_pipeline_is_stored_as_celery_stores_one(
         time.sleep(0.1)  # subscribed: the PUBLISH is what wakes it
         store(app, by_celery, answers)
         with redis.Redis.from_url(redis_url).pipeline(transaction=False) as pipe:
-            queue_success(pipe, backend, by_pipeline, answers)
+            queue_result(pipe, backend, by_pipeline, answers)
             pipe.execute()
         assert waiting.result() == answers
     celery_meta = backend.get_task_meta(by_celery)
