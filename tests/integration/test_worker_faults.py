@@ -11,9 +11,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 
@@ -55,6 +57,39 @@ def stuck_call(client: redis.Redis, queue: str, timeout_s: float = 5) -> StuckCa
 def worker_with_pid(stack: Stack, pid: int) -> subprocess.Popen[bytes]:
     (worker,) = [w for w in stack.workers if w.pid == pid]
     return worker
+
+
+@contextmanager
+def monitored(client: redis.Redis) -> Iterator[list[tuple[int, str]]]:
+    """Every command Redis runs meanwhile, as (the client's port, the command), as MONITOR
+    shows them: a test sees a command that a later one undoes, which polling may miss."""
+    seen: list[tuple[int, str]] = []
+    monitor = client.monitor().__enter__()
+
+    def watch() -> None:
+        try:
+            for command in monitor.listen():
+                seen.append((int(command["client_port"] or 0), command["command"]))
+        except (redis.RedisError, OSError, ValueError):
+            return  # the monitor's connection closed
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        yield seen
+    finally:
+        monitor.__exit__(None, None, None)
+
+
+def held_by(pid: int, commands: list[tuple[int, str]], handover_due: str) -> bool:
+    """Whether the process `pid` marked a batch held (`BatchAggregator.hold`) among
+    `commands`: its ZADD of a held member, on one of its connections."""
+    ports = {conn.laddr.port for conn in psutil.Process(pid).net_connections("tcp")}
+    return any(
+        port in ports
+        and command.startswith(f"ZADD {handover_due} ")
+        and command.endswith(HELD_SUFFIX)
+        for port, command in list(commands)
+    )
 
 
 def live_workers(stack: Stack) -> int:
@@ -122,29 +157,34 @@ def test_a_worker_killed_mid_call_loses_only_the_batch_it_was_running(
     replies: dict[str, Reply] = {}
     stop = threading.Event()
 
-    def load(lane: int) -> None:  # about 100 req/s over 10 lanes
+    def load(lane: int) -> None:  # about 10 req/s a lane
         count = 0
         while not stop.is_set():
             prompt = f"load {lane} {count}"
             replies[prompt] = sample(stack.base_url, prompt)
             count += 1
 
-    with ThreadPoolExecutor(11) as pool:
+    with ThreadPoolExecutor(16) as pool:
         lanes = [pool.submit(load, lane) for lane in range(10)]
-        time.sleep(0.5)
-        slow = pool.submit(sample, stack.base_url, "slow: to be killed")
-        running = stuck_call(client, queue)
-        # The worker asked for its next task near the expected end of its call: it holds a
-        # batch it has not sealed when it dies.
-        deadline = time.monotonic() + 2
-        held: list[bytes] = []
-        while not held and time.monotonic() < deadline:
-            due = client.zrange(keys.handover_due, 0, -1)
-            held = [member for member in due if member.endswith(HELD_SUFFIX.encode())]
-        assert held, "the slow call's worker never held its next batch"
-        os.kill(running.pid, signal.SIGKILL)
-        time.sleep(DEADLINE_MS / 1000 + 0.5)
-        stop.set()
+        try:
+            time.sleep(0.5)
+            # The worker asks for its next task near the expected end of its call: it holds a
+            # batch it has not sealed when it dies. Its hold is watched as a command (MONITOR)
+            # rather than polled for: the batch is due for a hand-over a moment later.
+            with monitored(client) as commands:
+                slow = pool.submit(sample, stack.base_url, "slow: to be killed")
+                running = stuck_call(client, queue)
+                # Lanes that start now: the slow batch may hold a request of every lane above,
+                # and then no batch would come for its worker to hold.
+                lanes += [pool.submit(load, lane) for lane in range(10, 15)]
+                deadline = time.monotonic() + 1
+                while not held_by(running.pid, commands, keys.handover_due):
+                    assert time.monotonic() < deadline, "the slow call's worker held no batch"
+                    time.sleep(0.005)
+            os.kill(running.pid, signal.SIGKILL)
+            time.sleep(DEADLINE_MS / 1000 + 0.5)
+        finally:  # a failed step ends the load too, rather than leaving the lanes running
+            stop.set()
         for lane in lanes:
             lane.result()
         replies["slow: to be killed"] = slow.result()
