@@ -12,7 +12,7 @@ benchmark lost about a quarter of its goodput that way. Without a backlog, witho
 worker or without a measured turn, a request is always taken: a worker drops it later if its
 deadline cannot be met, and without workers it waits for its deadline.
 
-The formula lives here once: the APPEND script (batching.aggregator) embeds ADMISSION_LUA and
+The formula lives here once: the per-batch scripts (batching.aggregator) embed ADMISSION_LUA;
 the capacity planner's simulation (planning.simulation) calls `refuses`; a contract test feeds
 both the same inputs.
 """
@@ -36,7 +36,7 @@ def refuses(ahead: int, workers: int, turn_ms: float, budget_ms: float) -> bool:
     return predicted is not None and predicted > budget_ms
 
 
-# The same, in Lua, for the APPEND script: predicted_ms(ahead, workers, turn_ms) returns nil
+# The same, in Lua, for the per-batch scripts: predicted_ms(ahead, workers, turn_ms) returns nil
 # where the Python one returns None. Lua numbers are doubles; ahead and workers are integers.
 ADMISSION_LUA = f"""
 local function predicted_ms(ahead, workers, turn_ms)

@@ -2,32 +2,38 @@
 
 A queue's requests join open batches: one per shard (SAMPLING_SHARDS, one by default), each
 shard's keys under its own hash tag so that a Redis cluster spreads the shards over its
-masters. A request joins its shard's open batch with one short Lua call (APPEND: GET, HGET,
-TIME, RPUSH), the only Redis round trip of a request. The call that opens a batch tells its
-caller to dispatch the batch's Celery task at once, with the batch id as task id, so every
-member knows which result to wait on before the batch is closed. A call that fills the batch
-closes it. The worker seals the batch (SEAL) when it starts the task, i.e. when a GPU is
-free, and takes every item appended so far: while the GPUs are busy new requests pile into
-the open batches, so the batch size follows the load with no timer.
+masters. A request joins its shard's open batch with one MULTI of plain commands (`append`:
+SET NX GET of the open pointer, RPUSH onto the shard's pending list, PEXPIRE, HGET of the
+admission figure), the only Redis round trip of a request: no Lua on the request path, whose
+cold call costs a Redis core about as much as the rest of the request. The pointer names the
+batch, its opening time and its maximum size; the request whose SET NX set it opened the
+batch and dispatches the batch's Celery task at once, with the batch id as task id, so every
+member knows which result to wait on before the batch is sealed; its index is the list's
+length. The request that fills the batch closes it (`close`: its items move to the batch's
+own list; pushes beyond the maximum are dropped and their requests join the next batch). The
+worker seals the batch (SEAL) when it starts the task, i.e. when a GPU is free, and takes
+every item appended so far: while the GPUs are busy new requests pile into the open batches,
+so the batch size follows the load with no timer.
 
-Admission control (batching.admission) is decided per request from one figure per shard,
-`predicted`, which the per-batch scripts (open, close, seal) and the workers' heartbeats
-recompute; a request only compares it with its budget.
+Admission control (batching.admission) is decided from one figure per shard, `predicted`,
+which the per-batch scripts (confirm, close, seal) and the workers' heartbeats recompute; a
+request compares the figure its process read last with its budget (see `append`).
 
-A batch whose task was never sent cannot be sealed, so every opened batch is due for a
-hand-over DISPATCH_GRACE_MS after it opened, until its dispatcher confirms the send
-(`dispatched`). If the send fails, the dispatcher closes the batch (`abandon`) and answers its
-members at once. If the dispatcher dies between the two, a worker hands the batch over: the
-next seal of the shard, or a worker's scan when no seal comes, sends its task again (a
-duplicate task finds the batch sealed and answers nothing). A worker that receives a batch's
-task while its GPU is still busy (workers.pipeline takes the next task before the running
-call ends) marks the batch held (`hold`), due for a hand-over a grace after the worker
-expects to seal it: a worker killed before the seal loses only the batch it was running, not
-the one it held.
+A batch whose task was never sent cannot be sealed, so a batch not confirmed as sent
+(`dispatched`, which also counts it in admission's backlog) is due for a hand-over
+DISPATCH_GRACE_MS after it opened. If the send fails, the dispatcher closes the batch
+(`abandon`) and answers its members at once. If the dispatcher dies between the two, a worker
+hands the batch over: the next seal of the shard, or a worker's scan when no seal comes,
+sends its task again (a duplicate task finds the batch sealed and answers nothing). A worker
+that receives a batch's task while its GPU is still busy (workers.pipeline takes the next
+task before the running call ends) marks the batch held (`hold`), due for a hand-over a grace
+after the worker expects to seal it: a worker killed before the seal loses only the batch it
+was running, not the one it held.
 
-Keys come from batching.keys; times are Redis server time (TIME), so web and GPU nodes need
-no shared clock. This module knows nothing of Django or models: it takes a redis client
-(a cluster client works alike) and numbers.
+Times are the Redis node's (TIME in the scripts; a web process keeps its offset to each
+shard's node), so web and GPU nodes need no shared clock. Keys come from batching.keys. This
+module knows nothing of Django or models: it takes a redis client (a cluster client works
+alike) and numbers.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,6 +68,16 @@ HANDOVER_SCAN_MS = 100
 HANDOVERS_PER_SEAL = 10
 # A worker that has not heartbeated for this long is not counted (admission, /readyz).
 HEARTBEAT_TIMEOUT_MS = 5000
+# A process refuses requests from the admission figure its last call read for this long; then
+# it reads the figure again before it refuses.
+ADMISSION_FRESH_S = 0.1
+# A request's call reads the figure again when its process read it over this long ago: under
+# load, one request in several carries the HGET.
+ADMISSION_REFRESH_S = 0.01
+# A process reads a shard's Redis time this often (its clock offset; see `_redis_now_ms`).
+CLOCK_REFRESH_S = 10.0
+# A request that finds its batch full joins the next; this many tries, then a RedisError.
+APPEND_ATTEMPTS = 8
 # The last batch records kept for operators, tests and the benchmark.
 BATCH_LOG_LENGTH = 1000
 
@@ -76,18 +93,34 @@ local function now_ms()
 end
 """
 
-# take_due(key, batch prefix, now, grace ms, limit): the ids of up to `limit` batches due for a
-# hand-over in zset `key`, each taken by this caller alone. A batch whose dispatch is not
-# confirmed is re-armed (one caller at a time sends its task again, until it is confirmed or
-# sealed); a held batch is taken once: its holder may only be slower than it expected (a
-# call longer than its estimate), and a task sent again queues like any other. A member
-# whose batch is gone (sealed, expired) is dropped.
+# open_batch(open pointer): the open batch's id, opening time (ms) and maximum size, or nil.
+_OPEN_BATCH_LUA = f"""
+local function open_batch(open_key)
+  local value = redis.call('GET', open_key)
+  if not value then return nil end
+  local bid, opened, max = string.match(value, '^(%S+) ?(%d*) ?(%d*)')
+  return bid, tonumber(opened) or 0, tonumber(max) or {MAX_BATCH_SIZE}
+end
+"""
+
+# take_due(due key, open pointer, sent key, batch prefix, now, grace ms, limit): the ids of up
+# to `limit` batches due for a hand-over in zset `due key`, each taken by this caller alone.
+# The open batch is due once its dispatcher has not confirmed its send (`sent`) for a grace
+# after it opened. A batch whose dispatch is not confirmed is re-armed (one caller at a time
+# sends its task again, until it is confirmed or sealed); a held batch is taken once: its
+# holder may only be slower than it expected (a call longer than its estimate), and a task
+# sent again queues like any other. A member whose batch is gone (sealed, expired) is dropped.
 _TAKE_DUE_LUA = """
-local function take_due(key, batch_prefix, now, grace, limit)
+local function take_due(key, open_key, sent_key, batch_prefix, now, grace, limit)
+  local open_bid, opened = open_batch(open_key)
+  if open_bid and opened + grace <= now and not redis.call('ZSCORE', sent_key, open_bid)
+     and not redis.call('ZSCORE', key, open_bid) then
+    redis.call('ZADD', key, now, open_bid)
+  end
   local taken = {}
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', key, '-inf', now, 'LIMIT', 0, limit)) do
     local due_bid = string.match(member, '^[^:]+')
-    if redis.call('EXISTS', batch_prefix .. due_bid) == 1 then
+    if due_bid == open_bid or redis.call('EXISTS', batch_prefix .. due_bid) == 1 then
       table.insert(taken, due_bid)
       if due_bid == member then
         redis.call('ZADD', key, now + grace, member)
@@ -103,12 +136,12 @@ end
 """
 
 # refresh_admission(open pointer, unsealed zset, admission hash, now): recompute the one figure
-# a request's APPEND reads, `predicted` (ms until a batch joined now would finish; 0: admit),
-# from the inputs the workers keep in the admission hash (none: admit everything). Run when a
-# batch opens, closes or is sealed and on every heartbeat: never per request. The backlog is
-# this shard's unsealed batches opened within the window, times the shards (requests are
-# spread evenly over them, and the workers take every shard's batches from one queue), less
-# the open batch, which a newcomer joins.
+# a request reads, `predicted` (ms until a batch joined now would finish; 0: admit), from the
+# inputs the workers keep in the admission hash (none: admit everything). Run when a batch
+# closes or is sealed, and on every heartbeat: never per request. The backlog is this shard's
+# closed batches opened within the window, times the shards (requests are spread evenly over
+# them, and the workers take every shard's batches from one queue), and the other shards' open
+# batches; not the open batch, which a newcomer joins.
 _REFRESH_ADMISSION_LUA = (
     ADMISSION_LUA
     + """
@@ -116,9 +149,9 @@ local function refresh_admission(open_key, unsealed_key, admission_key, now)
   local inputs = redis.call('HMGET', admission_key, 'workers', 'turn_ms', 'shards', 'window_ms')
   local workers = tonumber(inputs[1])
   if not workers then return 0 end
-  local ahead = redis.call('ZCOUNT', unsealed_key, now - tonumber(inputs[4]), '+inf')
-  ahead = ahead * tonumber(inputs[3])
-  if redis.call('EXISTS', open_key) == 1 then ahead = ahead - 1 end
+  local shards = tonumber(inputs[3])
+  local ahead = redis.call('ZCOUNT', unsealed_key, now - tonumber(inputs[4]), '+inf') * shards
+  if redis.call('EXISTS', open_key) == 1 then ahead = ahead + shards - 1 end
   local predicted = predicted_ms(ahead, workers, tonumber(inputs[2])) or 0
   redis.call('HSET', admission_key, 'predicted', predicted)
   return predicted
@@ -126,41 +159,38 @@ end
 """
 )
 
-# KEYS: open pointer, admission (hash), unsealed batches (zset), hand-over due (zset)
-# ARGV: candidate batch id, prompt, budget ms, max size, ttl ms, batch key prefix, dispatch
-#       grace ms
-# Returns {batch id, index, opened, predicted ms}: batch id '' and index -1 when admission
-# refused the request. A request runs GET, HGET, TIME and RPUSH; opening and closing a batch
-# (once per batch) do the rest.
-APPEND_LUA = (
+# KEYS: any key of the shard (for routing). Redis time, for a process's clock offset.
+CLOCK_LUA = "return redis.call('TIME')"
+
+# KEYS: open pointer, pending items, unsealed batches (zset), hand-over due (zset), admission,
+#       sent (zset)
+# ARGV: batch id, batch key prefix, ttl ms, dispatch grace ms
+# A request that filled the open batch (or found it full) closes it: its first max-size items
+# move to the batch's own list to wait for the seal (pushes beyond, made in the meantime, are
+# dropped: their requests saw they were too many and join the next batch), it joins the
+# backlog, and the next request opens a new batch. A closed batch whose send is not confirmed
+# yet is due for a hand-over a grace after it opened. Returns 1, or 0 when the batch was not
+# open (closed or sealed already).
+CLOSE_LUA = (
     _NOW_FUNCTION_LUA
+    + _OPEN_BATCH_LUA
     + _REFRESH_ADMISSION_LUA
     + """
-local budget = tonumber(ARGV[3])
-local predicted = tonumber(redis.call('HGET', KEYS[2], 'predicted') or '0')
-if predicted > 0 and predicted > budget then
-  return {'', -1, 0, predicted}
+local open_bid, opened, max = open_batch(KEYS[1])
+if open_bid ~= ARGV[1] then return 0 end
+local batch_key = ARGV[2] .. open_bid
+redis.call('DEL', KEYS[1])
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('RENAME', KEYS[2], batch_key)
+  redis.call('LTRIM', batch_key, 0, max - 1)
+  redis.call('PEXPIRE', batch_key, tonumber(ARGV[3]))
 end
-local bid = redis.call('GET', KEYS[1])
-local now = now_ms()
-local ttl = tonumber(ARGV[5])
-local opened = 0
-if not bid then
-  bid = ARGV[1]
-  opened = 1
-  redis.call('SET', KEYS[1], bid, 'PX', ttl)
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - ttl)
-  redis.call('ZADD', KEYS[3], now, bid)
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl)
-  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[7]), bid)
+redis.call('ZADD', KEYS[3], opened, open_bid)
+if not redis.call('ZSCORE', KEYS[6], open_bid) then
+  redis.call('ZADD', KEYS[4], opened + tonumber(ARGV[4]), open_bid)
 end
-local batch_key = ARGV[6] .. bid
-local n = redis.call('RPUSH', batch_key, (now + budget) .. ' ' .. ARGV[2])
-if n == 1 then redis.call('PEXPIRE', batch_key, ttl) end
-local closed = n >= tonumber(ARGV[4])
-if closed then redis.call('DEL', KEYS[1]) end
-if opened == 1 or closed then refresh_admission(KEYS[1], KEYS[3], KEYS[2], now) end
-return {bid, n - 1, opened, 0}
+refresh_admission(KEYS[1], KEYS[3], KEYS[5], now_ms())
+return 1
 """
 )
 
@@ -175,50 +205,67 @@ local function set_admission_inputs(key, workers, turn_ms, shards, window_ms, tt
 end
 """
 
-# KEYS: open pointer, unsealed batches (zset), hand-over due (zset), admission (hash)
+# KEYS: open pointer, unsealed batches (zset), hand-over due (zset), admission (hash), pending,
+#       sent (zset)
 # ARGV: batch id, batch key prefix, held member, workers, turn ms, shards, window ms,
-#       inputs ttl ms, dispatch grace ms, hand-overs at most
+#       inputs ttl ms, dispatch grace ms, hand-overs at most, ttl ms
 # Returns {now ms, opened-at ms (or -1), number of hand-overs h, h batch ids due for a
-# hand-over, items...}. Atomic with APPEND: an append lands either in this batch (and is
-# returned here) or, after the pointer is cleared, in a new batch. The sealing worker also
-# refreshes the shard's admission and takes the shard's batches due for a hand-over (it sends
-# their tasks again): under load, no other round trip is needed for either.
+# hand-over, items...}. Atomic with a request's push: a request lands either in this batch
+# (and is returned here) or, after the pointer is cleared, in a new batch. The sealing worker
+# also refreshes the shard's admission and takes the shard's batches due for a hand-over (it
+# sends their tasks again): under load, no other round trip is needed for either.
 SEAL_LUA = (
     _NOW_FUNCTION_LUA
+    + _OPEN_BATCH_LUA
     + _REFRESH_ADMISSION_LUA
     + _ADMISSION_INPUTS_LUA
     + _TAKE_DUE_LUA
     + """
 local now = now_ms()
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
+local open_bid, opened, max = open_batch(KEYS[1])
+local items
+local opened_at = -1
+if open_bid == ARGV[1] then
+  opened_at = opened
+  items = redis.call('LRANGE', KEYS[5], 0, max - 1)
+  redis.call('DEL', KEYS[5], KEYS[1])
+else
+  opened_at = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]) or -1)
+  local batch_key = ARGV[2] .. ARGV[1]
+  items = redis.call('LRANGE', batch_key, 0, -1)
+  redis.call('DEL', batch_key)
 end
-local opened_at = redis.call('ZSCORE', KEYS[2], ARGV[1]) or -1
+local stale = now - tonumber(ARGV[11])
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', stale)
+redis.call('ZREM', KEYS[6], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', stale)
 redis.call('ZREM', KEYS[3], ARGV[1], ARGV[3])
-local batch_key = ARGV[2] .. ARGV[1]
-local items = redis.call('LRANGE', batch_key, 0, -1)
-redis.call('DEL', batch_key)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', stale)
 if tonumber(ARGV[4]) > 0 then
   set_admission_inputs(KEYS[4], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
 end
 refresh_admission(KEYS[1], KEYS[2], KEYS[4], now)
-local due = take_due(KEYS[3], ARGV[2], now, tonumber(ARGV[9]), tonumber(ARGV[10]))
-local reply = {now, tonumber(opened_at), #due}
+local due = take_due(KEYS[3], KEYS[1], KEYS[6], ARGV[2], now, tonumber(ARGV[9]),
+                     tonumber(ARGV[10]))
+local reply = {now, opened_at, #due}
 for _, due_bid in ipairs(due) do table.insert(reply, due_bid) end
 for _, item in ipairs(items) do table.insert(reply, item) end
 return reply
 """
 )
 
-# KEYS: hand-over due (zset); ARGV: batch key prefix, dispatch grace ms, at most this many
+# KEYS: hand-over due (zset), open pointer, sent (zset)
+# ARGV: batch key prefix, dispatch grace ms, at most this many
 # The batches due for a hand-over, for a worker that has not sealed a batch of this shard for
 # HANDOVER_SCAN_MS: a batch is handed over even when no worker seals anything.
 TAKE_DUE_LUA = (
     _NOW_FUNCTION_LUA
+    + _OPEN_BATCH_LUA
     + _TAKE_DUE_LUA
     + """
-return take_due(KEYS[1], ARGV[1], now_ms(), tonumber(ARGV[2]), tonumber(ARGV[3]))
+return take_due(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now_ms(), tonumber(ARGV[2]),
+                tonumber(ARGV[3]))
 """
 )
 
@@ -227,25 +274,12 @@ return take_due(KEYS[1], ARGV[1], now_ms(), tonumber(ARGV[2]), tonumber(ARGV[3])
 # The workers' figures for a shard's admission (every heartbeat), and the refreshed figure.
 ADMISSION_LUA_SCRIPT = (
     _NOW_FUNCTION_LUA
+    + _OPEN_BATCH_LUA
     + _REFRESH_ADMISSION_LUA
     + _ADMISSION_INPUTS_LUA
     + """
 set_admission_inputs(KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
 return refresh_admission(KEYS[1], KEYS[2], KEYS[3], now_ms())
-"""
-)
-
-# KEYS: unsealed batches (zset), hand-over due (zset); ARGV: held member, batch id, due in ms
-# A batch still unsealed becomes due for a hand-over at now + due in ms; returns 1, or 0 when
-# the batch is sealed already (nothing to hold).
-HOLD_LUA = (
-    _NOW_LUA
-    + """
-if redis.call('ZSCORE', KEYS[1], ARGV[2]) then
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
-  return 1
-end
-return 0
 """
 )
 
@@ -335,11 +369,14 @@ class BatchAggregator:
         # Each process starts its turn at its own shard, so that a node's processes do not
         # move over the shards in step.
         self._turn = itertools.count(os.getpid())
+        # Per shard: (admission's figure, when read), and (Redis ms - monotonic ms, when read).
+        self._admission_seen: list[tuple[float, float] | None] = [None] * len(self.shards)
+        self._clock_offsets: dict[str, tuple[float, float]] = {}
         self.configure(max_batch_size=max_batch_size, deadline_ms=deadline_ms)
-        self._append = client.register_script(APPEND_LUA)
+        self._clock = client.register_script(CLOCK_LUA)
+        self._close = client.register_script(CLOSE_LUA)
         self._seal = client.register_script(SEAL_LUA)
         self._heartbeat = client.register_script(HEARTBEAT_LUA)
-        self._hold = client.register_script(HOLD_LUA)
         self._take_due = client.register_script(TAKE_DUE_LUA)
         self._admission = client.register_script(ADMISSION_LUA_SCRIPT)
 
@@ -355,7 +392,7 @@ class BatchAggregator:
         """Load the Lua scripts into Redis now rather than on a request's first NOSCRIPT (on
         every master of a cluster)."""
         scripts = (
-            self._append, self._seal, self._heartbeat, self._hold, self._take_due,
+            self._clock, self._close, self._seal, self._heartbeat, self._take_due,
             self._admission,
         )  # fmt: skip
         for script in scripts:
@@ -372,49 +409,119 @@ class BatchAggregator:
 
     def append(self, prompt: str, budget_ms: int, shard: int | None = None) -> Ticket:
         """Join the open batch of `shard` (by default the next shard in this process's turn):
-        the request's one round trip."""
-        index = next(self._turn) if shard is None else shard
-        keys = self.shards[index % len(self.shards)]
-        bid, item_index, opened, predicted = self._append(
-            keys=[keys.open_batch, keys.admission, keys.unsealed, keys.handover_due],
-            args=[
-                keys.batch_id(uuid.uuid4().hex),
-                prompt,
-                int(budget_ms),
-                self.max_batch_size,
-                self.ttl_ms,
-                keys.batch_prefix,
-                DISPATCH_GRACE_MS,
-            ],
-        )
-        if item_index < 0:
-            return Ticket("", -1, False, True, int(predicted))
-        return Ticket(bid.decode(), int(item_index), bool(opened))
+        the request's one round trip, a MULTI of plain commands (a Lua call costs a Redis
+        core several times more): SET NX GET of the open pointer (the batch joined, or this
+        request's new one) and RPUSH of the item; and HGET of admission's figure when this
+        process read it over ADMISSION_REFRESH_S ago.
+
+        Admission is decided before the call from the figure this process read last (a
+        refusal needs no Redis call at all); a figure missing, or one that would refuse and
+        was read over ADMISSION_FRESH_S ago, is read again first. A process admits requests
+        for at most ADMISSION_REFRESH_S and one request after the figure turned against it."""
+        index = (next(self._turn) if shard is None else shard) % len(self.shards)
+        keys = self.shards[index]
+        seen = self._admission_seen[index]
+        now_s = time.monotonic()
+        if seen is None or (seen[0] > budget_ms and now_s - seen[1] > ADMISSION_FRESH_S):
+            predicted = float(self.client.hget(keys.admission, "predicted") or 0)
+            seen = self._admission_seen[index] = (predicted, now_s)
+        if seen[0] > 0 and seen[0] > budget_ms:
+            return Ticket("", -1, False, True, int(seen[0]))
+        for _ in range(APPEND_ATTEMPTS):
+            now_ms = self._redis_now_ms(keys, now_s)
+            candidate = keys.batch_id(uuid.uuid4().hex)
+            read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.set(
+                    keys.open_batch,
+                    f"{candidate} {now_ms} {self.max_batch_size}",
+                    nx=True,
+                    get=True,
+                    px=self.ttl_ms,
+                )
+                pipe.rpush(keys.pending, f"{now_ms + int(budget_ms)} {prompt}")
+                if read_admission:
+                    pipe.hget(keys.admission, "predicted")
+                joined, length, *predicted = pipe.execute()
+            if predicted:
+                seen = self._admission_seen[index] = (float(predicted[0] or 0), now_s)
+            if joined is None:
+                batch_id, max_size, opened = candidate, self.max_batch_size, True
+            else:
+                fields = joined.decode().split(" ")
+                batch_id = fields[0]
+                max_size = int(fields[2]) if len(fields) > 2 else MAX_BATCH_SIZE
+                opened = False
+            if length >= max_size:  # full: the next request opens a new batch
+                self.close(batch_id)
+            if length <= max_size:
+                return Ticket(batch_id, length - 1, opened)
+            # Pushed onto a batch already full (before its closer moved it): join the next.
+        raise redis.RedisError(f"no batch of shard {keys.tag} took the request")
+
+    def _redis_now_ms(self, keys: ShardKeys, now: float | None = None) -> int:
+        """The shard's Redis server time in ms, from this process's monotonic clock and an
+        offset read with TIME every CLOCK_REFRESH_S (items' deadlines and batches' times are
+        in the time of the Redis node that holds them: no shared clock)."""
+        offset = self._clock_offsets.get(keys.tag)
+        now = time.monotonic() if now is None else now
+        if offset is None or now - offset[1] > CLOCK_REFRESH_S:
+            before = time.monotonic()
+            seconds, micros = self._clock(keys=[keys.open_batch])
+            now = time.monotonic()
+            redis_ms = int(seconds) * 1000 + int(micros) / 1000
+            offset = self._clock_offsets[keys.tag] = (redis_ms - (before + now) * 500, now)
+        return int(now * 1000 + offset[0])
+
+    def open_batch_id(self, shard: int = 0) -> str | None:
+        """The id of the batch a request of `shard` would join now (None: it would open one)."""
+        raw = self.client.get(self.shards[shard].open_batch)
+        return raw.decode().split(" ")[0] if raw else None
+
+    def close(self, batch_id: str) -> bool:
+        """Close the batch to newcomers (it is full), if it is the open one; its items wait
+        in its own list for its seal. False when it was not open."""
+        keys = self.shard_of(batch_id)
+        script_keys = [
+            keys.open_batch, keys.pending, keys.unsealed, keys.handover_due, keys.admission,
+            keys.sent,
+        ]  # fmt: skip
+        args = [batch_id, keys.batch_prefix, self.ttl_ms, DISPATCH_GRACE_MS]
+        return bool(self._close(keys=script_keys, args=args))
 
     def dispatched(self, batch_id: str) -> None:
-        """The batch's task is sent: no hand-over for want of a dispatch."""
-        self.client.zrem(self.shard_of(batch_id).handover_due, batch_id)
+        """The batch's task is sent: it is no longer due for a hand-over for want of a
+        dispatch. Plain commands, one round trip; the pending list's expiry is refreshed here,
+        once a batch (a list left by a queue no worker serves goes away on its own)."""
+        keys = self.shard_of(batch_id)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zadd(keys.sent, {batch_id: self._redis_now_ms(keys)})
+            pipe.zrem(keys.handover_due, batch_id)
+            pipe.pexpire(keys.pending, self.ttl_ms)
+            pipe.execute()
 
     def hold(self, batch_id: str, seal_in_ms: float) -> bool:
         """A worker received the batch's task and expects to seal it within `seal_in_ms`: if it
         has not by DISPATCH_GRACE_MS later (the worker died), the batch is handed over. Its own
         hand-over member, so that a dispatcher's late confirmation cannot remove it. False
-        when the batch is sealed already."""
+        when the batch is sealed already (its member, then, is dropped by the next scan).
+        Plain commands, one round trip."""
         keys = self.shard_of(batch_id)
-        due_in_ms = max(0, round(seal_in_ms)) + DISPATCH_GRACE_MS
-        return bool(
-            self._hold(
-                keys=[keys.unsealed, keys.handover_due],
-                args=[batch_id + HELD_SUFFIX, batch_id, due_in_ms],
-            )
-        )
+        due_ms = self._redis_now_ms(keys) + max(0, round(seal_in_ms)) + DISPATCH_GRACE_MS
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.get(keys.open_batch)
+            pipe.exists(keys.batch(batch_id))
+            pipe.zadd(keys.handover_due, {batch_id + HELD_SUFFIX: due_ms})
+            pointer, closed, _ = pipe.execute()
+        return bool(closed) or (pointer is not None and pointer.decode().split(" ")[0] == batch_id)
 
     def take_due_handovers(self, shard: int = 0, limit: int = 10) -> list[str]:
         """Batches of `shard` due for a hand-over, whose tasks the caller sends again: each due
         one is taken by one caller (a worker's seal or scan)."""
         keys = self.shards[shard]
         taken = self._take_due(
-            keys=[keys.handover_due], args=[keys.batch_prefix, DISPATCH_GRACE_MS, limit]
+            keys=[keys.handover_due, keys.open_batch, keys.sent],
+            args=[keys.batch_prefix, DISPATCH_GRACE_MS, limit],
         )
         return [batch_id.decode() for batch_id in taken]
 
@@ -422,8 +529,12 @@ class BatchAggregator:
         """Take the batch's items (closing it, if it is the open one). A worker passes what it
         knows for admission (`inputs`), and gets the shard's batches due for a hand-over."""
         keys = self.shard_of(batch_id)
+        script_keys = [
+            keys.open_batch, keys.unsealed, keys.handover_due, keys.admission, keys.pending,
+            keys.sent,
+        ]  # fmt: skip
         raw = self._seal(
-            keys=[keys.open_batch, keys.unsealed, keys.handover_due, keys.admission],
+            keys=script_keys,
             args=[
                 batch_id,
                 keys.batch_prefix,
@@ -431,6 +542,7 @@ class BatchAggregator:
                 *self._admission_args(inputs or AdmissionInputs(0, 0.0)),
                 DISPATCH_GRACE_MS,
                 HANDOVERS_PER_SEAL,
+                self.ttl_ms,
             ],
         )
         handed = int(raw[2])

@@ -93,13 +93,27 @@ class ShardKeys:
 
     @cached_property
     def open_batch(self) -> str:
-        """The id of the batch new requests join (absent: the next request opens one)."""
+        """The batch new requests join, "<batch id> <opened ms> <max size>" (absent: the next
+        request opens one); its items are in `pending` until it is sealed or closed."""
         return f"{self.prefix}:open"
 
     @cached_property
+    def pending(self) -> str:
+        """The list of the open batch's items, one "deadline_ms prompt" string each: a request
+        pushes onto it and learns its index from the list's length."""
+        return f"{self.prefix}:pending"
+
+    @cached_property
     def unsealed(self) -> str:
-        """A zset of batches not sealed yet, scored by their opening time (ms)."""
+        """A zset of closed (full) batches not sealed yet, scored by their opening time (ms):
+        with the open batches of the other shards, the backlog that admission counts."""
         return f"{self.prefix}:unsealed"
+
+    @cached_property
+    def sent(self) -> str:
+        """A zset of batches whose dispatcher confirmed its task sent, scored by the time of
+        the confirmation (ms): an open batch not in it a grace after it opened is handed over."""
+        return f"{self.prefix}:sent"
 
     @cached_property
     def handover_due(self) -> str:
@@ -113,8 +127,8 @@ class ShardKeys:
     def admission(self) -> str:
         """A hash: what admission needs (live workers, a turn's ms, shards, window), written
         by the workers' heartbeats and seals, and `predicted`, the ms a batch joined now would
-        take to finish, refreshed whenever a batch opens, closes or is sealed; the request's
-        script reads that one field."""
+        take to finish, refreshed whenever a batch closes or is sealed and on heartbeats; a
+        web process reads that one field (with a request's push, at most every 10 ms)."""
         return f"{self.prefix}:admission"
 
     @cached_property
@@ -122,7 +136,7 @@ class ShardKeys:
         return f"{self.prefix}:batch:"
 
     def batch(self, batch_id: str) -> str:
-        """The list of a batch's items, one "deadline_ms prompt" string each."""
+        """The list of a closed (full) batch's items, waiting for its seal."""
         return self.batch_prefix + batch_id
 
     @cached_property

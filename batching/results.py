@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # after a second silent period.
 HEALTH_INTERVAL_S = 5.0
 # Every result received is kept this long for waiters that register after it came: a
-# waiter registers just after its APPEND, so only a batch answered within that moment needs
+# waiter registers just after its append, so only a batch answered within that moment needs
 # it (a few KB a batch: at 200 batches/s, under 2 MB a process).
 RECENT_RESULTS_S = 2.0
 # The shard tag of a task id that carries none (a task not sent by the aggregator).
@@ -280,7 +280,7 @@ class ResultListener:
         task_id_raw, _, payload = data.partition(b" ")
         task_id = task_id_raw.decode()
         with self.lock:
-            # Kept for a waiter yet to register: one whose APPEND returned just before the
+            # Kept for a waiter yet to register: one whose append returned just before the
             # result came, or one that registers after the others of its batch are gone.
             self._keep_recent(task_id, payload)
             entry = self._pending.get(task_id)

@@ -1,6 +1,8 @@
 """Front-end figures of the batching service, measured on real processes in one run.
 
     .venv/bin/python -m bench.frontend [--quick]
+    .venv/bin/python -m bench.frontend --against e921270   # parts 1 and 2, this tree against
+                                                           # an older commit, alternating
 
 Starts its own Redis (embedded unless REDIS_URL is set), Celery worker(s) with the simulated
 sampler and gunicorn, then measures and prints a markdown table of:
@@ -22,6 +24,7 @@ from gevent import monkey
 monkey.patch_all()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import http.client  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -32,9 +35,10 @@ from pathlib import Path  # noqa: E402
 import gevent  # noqa: E402
 from gevent.pool import Pool  # noqa: E402
 
+from bench.gap import Tree, worktree  # noqa: E402
 from bench.procstat import cpu_seconds  # noqa: E402
 from inference_site.lib.embedded_redis import EmbeddedRedis  # noqa: E402
-from inference_site.lib.stack import Stack  # noqa: E402
+from inference_site.lib.stack import ROOT, Stack  # noqa: E402
 from workers.samplers.simulated import expected_completion  # noqa: E402
 
 
@@ -78,6 +82,59 @@ def closed_loop(port: int, path: str, requests: int, concurrency: int, check: bo
     return time.perf_counter() - started
 
 
+def single_latencies_ms(port: int, count: int) -> list[float]:
+    latencies = []
+    for i in range(count):
+        prompt = f"single {i} {uuid.uuid4().hex[:6]}"
+        status, body, seconds = one(port, "/sample", prompt.encode())
+        assert (status, body) == (200, expected_completion(prompt)), (status, body)
+        latencies.append(seconds * 1000)
+    return latencies
+
+
+def compare(ref: str, rounds: int, cpu_requests: int, sequential: int) -> None:
+    """Parts 1 and 2 for this tree and `ref`, a fresh service for each, alternating."""
+    figures: dict[str, dict[str, list[float]]] = {}
+    with contextlib.ExitStack() as resources:
+        trees = [Tree(ref[:8], resources.enter_context(worktree(ref))), Tree("this", ROOT)]
+        server = EmbeddedRedis().start()
+        resources.callback(server.stop)
+        for round_number in range(rounds):
+            for tree in trees if round_number % 2 == 0 else trees[::-1]:
+                queue = f"bench-cmp-{uuid.uuid4().hex[:6]}"
+                env = {"REDIS_URL": server.url, "SAMPLER": "simulated", "SAMPLING_QUEUE": queue,
+                       "DJANGO_SECRET_KEY": "bench-only-" + uuid.uuid4().hex}  # fmt: skip
+                stack = Stack(env=env, gpus=[None], web_processes=2, root=tree.root,
+                              log_dir=Path("/tmp") / f"bench-{queue}")  # fmt: skip
+                try:
+                    stack.start(timeout_s=120)
+                    assert stack.web is not None
+                    row = figures.setdefault(tree.name, {"p50": [], "sample": [], "bare": []})
+                    row["p50"].append(
+                        statistics.median(single_latencies_ms(stack.port, sequential))
+                    )
+                    for path, name in (("/healthz", "bare"), ("/sample", "sample")):
+                        cpu_before = cpu_seconds(stack.web.pid)
+                        closed_loop(stack.port, path, cpu_requests, 50, check=True)
+                        used = cpu_seconds(stack.web.pid) - cpu_before
+                        row[name].append(used / cpu_requests * 1000)
+                finally:
+                    stack.stop()
+                shown = ", ".join(f"{key} {values[-1]:.2f}" for key, values in row.items())
+                print(f"  round {round_number + 1} {tree.name}: {shown}", flush=True)
+    print(f"\nFront end, this tree against {ref} (median of {rounds} rounds, alternating)\n")
+    print("| code | single request p50 (ms) | CPU per /sample (ms) | CPU per bare view (ms) |")
+    print("|---|---:|---:|---:|")
+    for name, row in figures.items():
+        cells = [f"{statistics.median(row[k]):.2f}" for k in ("p50", "sample", "bare")]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    before, after = figures[ref[:8]], figures["this"]
+    for key, label in (("p50", "single request p50"), ("sample", "CPU per /sample")):
+        change = statistics.median(after[key]) / statistics.median(before[key]) - 1
+        print(f"\n{label}: {change:+.1%} against {ref}", end="")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
@@ -85,10 +142,13 @@ def main() -> None:
         "--cpu-only", action="store_true", help="only the front-end CPU per request (part 2)"
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of part 2 (default 3)")
+    parser.add_argument("--against", help="a git ref: parts 1 and 2 for it and this tree")
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
     cpu_requests = 100 if args.quick else 1000
     sequential = 10 if args.quick else 100
+    if args.against:
+        return compare(args.against, rounds, cpu_requests, sequential)
     waits = 150 if args.quick else 3000
     batch_ms = int(os.environ.get("SIMULATED_BATCH_MS", "100"))
     deadline_ms = int(os.environ.get("SAMPLING_DEADLINE_MS", "500"))

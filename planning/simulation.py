@@ -10,7 +10,7 @@ arrivals and GPUs that each run one call at a time:
     without being sampled;
   - admission: with batches queued behind every GPU, a request is refused at once (503) when
     the worst-case finish of its batch is past its deadline (batching.admission, the same
-    formula the APPEND script runs).
+    formula the per-batch scripts run).
 Times are in ms. The fixed costs around the GPU are parameters: `path_ms` (a call's end to the
 client's answer, added to each answer), `dispatch_ms` (a batch's first request to its seal
 by an idle worker) and `gap_ms` (a worker's time between calls); their defaults are the
@@ -189,7 +189,7 @@ def refuses(
     now: float,
     deadline: float,
 ) -> bool:
-    """Admission, as the APPEND script decides it: count the batches queued behind the GPUs
+    """Admission, as the aggregator decides it: count the batches queued behind the GPUs
     that opened within a deadline (`queued` is oldest first), not counting the open batch the
     request would join, and apply batching.admission's formula to the full deadline."""
     ahead = len(queued) - (1 if open_batch_queued else 0)

@@ -14,7 +14,7 @@ import redis
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from inference_site.lib.embedded_redis import redis_url_or_embedded
 from inference_site.lib.stack import ROOT, Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER, unique_queue
 
@@ -25,15 +25,8 @@ if TYPE_CHECKING:
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """REDIS_URL when set (a real server), else an embedded server on a free port."""
-    url = os.environ.get("REDIS_URL")
-    if url:
+    with redis_url_or_embedded() as url:
         yield url
-        return
-    server = EmbeddedRedis().start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -102,7 +102,7 @@ def test_every_request_gets_its_own_completion_from_every_shard_and_master(
         cluster.client(i).info("commandstats").get("cmdstat_rpush", {}).get("calls", 0)
         for i in range(len(cluster.nodes))
     ]
-    # Every master ran requests' appends (RPUSH inside the APPEND script).
+    # Every master ran requests' appends (the RPUSH of the append).
     assert all(after > before for before, after in zip(rpush_before, rpush_after, strict=True))
 
 

@@ -1,5 +1,5 @@
-"""Admission's one formula, as the APPEND script and the capacity planner's simulation apply it:
-the same inputs must give the same decisions."""
+"""Admission's one formula, as the aggregator's scripts and the capacity planner's simulation
+apply it: the same inputs must give the same decisions."""
 
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ def lua_decision(
     keys = aggregator.shards[0]
     seconds, micros = client.time()
     now_ms = seconds * 1000 + micros // 1000
-    for index, age in enumerate(ages):
+    closed = ages[:-1] if open_queued else ages  # the newest batch is the open one
+    for index, age in enumerate(closed):
         client.zadd(keys.unsealed, {f"b{index}": now_ms - age})
     if open_queued:
-        client.set(keys.open_batch, f"b{len(ages) - 1}")  # the newest batch is the open one
+        client.set(keys.open_batch, f"b{len(ages) - 1} {now_ms - ages[-1]} 100")
     # What a worker's heartbeat gives every shard; the request only reads the outcome.
     aggregator.refresh_admission(AdmissionInputs(workers=workers, turn_ms=turn_ms))
     ticket = aggregator.append("p", DEADLINE_MS)

@@ -11,7 +11,13 @@ import redis
 from redis.crc import key_slot
 
 from batching import admission
-from batching.aggregator import DISPATCH_GRACE_MS, AdmissionInputs, BatchAggregator
+from batching.aggregator import (
+    ADMISSION_REFRESH_S,
+    DISPATCH_GRACE_MS,
+    AdmissionInputs,
+    BatchAggregator,
+    Ticket,
+)
 from batching.keys import tag_of
 from tests.support import unique_queue
 
@@ -38,7 +44,7 @@ def test_first_append_opens_and_later_ones_join(aggregator: BatchAggregator) -> 
 def test_an_item_holds_its_deadline_and_prompt_only(aggregator: BatchAggregator) -> None:
     """Nothing per request is stored that no one reads (a request id was, once)."""
     ticket = aggregator.append("a prompt", 500)
-    (raw,) = aggregator.client.lrange(aggregator.shards[0].batch(ticket.batch_id), 0, -1)
+    (raw,) = aggregator.client.lrange(aggregator.shards[0].pending, 0, -1)
     deadline, prompt = raw.split(b" ", 1)
     assert prompt == b"a prompt"
     assert int(deadline) == aggregator.seal(ticket.batch_id).items[0].deadline_ms
@@ -74,11 +80,15 @@ def test_seal_takes_everything_so_far_and_later_appends_open_a_new_batch(
 
 
 def test_batch_data_expires_on_its_own(aggregator: BatchAggregator) -> None:
-    ticket = aggregator.append("p", 500)
-    batch_ttl = aggregator.client.pttl(aggregator.shards[0].batch(ticket.batch_id))
+    aggregator.dispatched(aggregator.append("p", 500).batch_id)  # as the view does
+    pending_ttl = aggregator.client.pttl(aggregator.shards[0].pending)
     open_ttl = aggregator.client.pttl(aggregator.shards[0].open_batch)
-    assert 0 < batch_ttl <= aggregator.ttl_ms
+    assert 0 < pending_ttl <= aggregator.ttl_ms
     assert 0 < open_ttl <= aggregator.ttl_ms
+    full = BatchAggregator(aggregator.client, unique_queue("ttl"), max_batch_size=1)
+    closed = full.append("q", 500)  # fills a batch of one: it waits for its seal in its own list
+    closed_ttl = aggregator.client.pttl(full.shards[0].batch(closed.batch_id))
+    assert 0 < closed_ttl <= full.ttl_ms
     assert aggregator.ttl_ms <= 10 * aggregator.deadline_ms
 
 
@@ -105,10 +115,10 @@ def test_concurrent_appends_never_lose_or_duplicate(redis_url: str) -> None:
     def sealer() -> None:
         aggregator = BatchAggregator(redis.Redis.from_url(redis_url), queue, max_batch_size=37)
         while appending.is_set():
-            batch_id = aggregator.client.get(aggregator.shards[0].open_batch)
+            batch_id = aggregator.open_batch_id()
             if batch_id:
-                items = aggregator.seal(batch_id.decode()).items
-                sealed.setdefault(batch_id.decode(), []).extend(i.prompt for i in items)
+                items = aggregator.seal(batch_id).items
+                sealed.setdefault(batch_id, []).extend(i.prompt for i in items)
 
     sealing = threading.Thread(target=sealer)
     sealing.start()
@@ -130,40 +140,62 @@ def test_concurrent_appends_never_lose_or_duplicate(redis_url: str) -> None:
     assert any(0 < len(items) < 37 for items in sealed.values())  # the sealer did race
 
 
+def joined(aggregator: BatchAggregator, budget_ms: int) -> Ticket:
+    """A request as the view makes it: append, and confirm the send of a batch it opened."""
+    ticket = aggregator.append("p", budget_ms)
+    if ticket.opened:
+        aggregator.dispatched(ticket.batch_id)
+    return ticket
+
+
+def another_process(aggregator: BatchAggregator, max_batch_size: int = 100) -> BatchAggregator:
+    """An aggregator of the same queue that has read no admission figure yet."""
+    return BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=max_batch_size)
+
+
 def test_admission_refuses_only_a_backlog_that_cannot_meet_the_deadline(
     aggregator: BatchAggregator,
 ) -> None:
     # No live worker: always accepted (the request waits for its deadline).
-    assert not aggregator.append("p", 10).rejected
+    assert not joined(aggregator, 10).rejected
     aggregator.refresh_admission(AdmissionInputs(workers=1, turn_ms=100))  # a heartbeat
     # One batch open, none ahead of it: accepted even with a budget below one call.
-    assert not aggregator.append("p", 50).rejected
-    # Close the open batch by filling it, so batches pile up behind the single worker.
-    backlog = BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=1)
+    assert not joined(another_process(aggregator), 50).rejected
+    # A worker takes it; then batches of one pile up behind the single worker.
+    open_batch = aggregator.open_batch_id()
+    assert open_batch is not None
+    aggregator.seal(open_batch)
+    backlog = another_process(aggregator, max_batch_size=1)
     for _ in range(4):
-        assert not backlog.append("p", 500).rejected
+        assert not joined(backlog, 500).rejected
     # 4 batches unsealed, 1 worker: the next batch would wait for them and for the call
     # that may have just started, then take its own: about 600 ms in the worst case. Each
     # batch that closed refreshed the figure: no heartbeat was needed.
-    refused = backlog.append("p", 500)
+    refused = another_process(aggregator).append("p", 500)
     assert refused.rejected
     assert refused.predicted_ms == admission.predicted_ms(4, 1, 100)
-    assert not backlog.append("p", refused.predicted_ms).rejected  # a patient one
+    assert not another_process(aggregator).append("p", refused.predicted_ms).rejected  # patient
+    # The process that filled the backlog read the figure before its last batch counted: it
+    # admits requests until it reads the figure again (with a push, ADMISSION_REFRESH_S after
+    # its last read), and refuses the next.
+    time.sleep(ADMISSION_REFRESH_S)
+    assert not joined(backlog, 500).rejected
+    assert joined(backlog, 500).rejected
     # Two workers halve the prediction.
     aggregator.refresh_admission(AdmissionInputs(workers=2, turn_ms=100))
-    assert not backlog.append("p", 500).rejected
+    assert not another_process(aggregator).append("p", 500).rejected
 
 
 def test_a_seal_refreshes_admission_with_the_sealers_figures(
     aggregator: BatchAggregator,
 ) -> None:
-    backlog = BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=1)
-    tickets = [backlog.append("p", 500) for _ in range(6)]
+    backlog = another_process(aggregator, max_batch_size=1)
+    tickets = [joined(backlog, 500) for _ in range(6)]
     assert not any(ticket.rejected for ticket in tickets)  # no worker has said anything yet
     backlog.seal(tickets[0].batch_id, AdmissionInputs(workers=1, turn_ms=100))
-    assert backlog.append("p", 500).rejected  # 5 ahead of one worker
+    assert another_process(aggregator).append("p", 500).rejected  # 5 ahead of one worker
     backlog.seal(tickets[1].batch_id, AdmissionInputs(workers=4, turn_ms=100))
-    assert not backlog.append("p", 500).rejected  # 4 workers clear them in time
+    assert not another_process(aggregator).append("p", 500).rejected  # 4 workers: in time
 
 
 def test_shards_spread_requests_and_keep_their_own_batches(redis_client: redis.Redis) -> None:

@@ -81,7 +81,9 @@ class Harness:
 
     def next_batch(self, *prompts: str) -> str:
         """A batch of its own: close the open one to newcomers first."""
-        self.client.delete(self.aggregator.shards[0].open_batch)
+        open_batch = self.aggregator.open_batch_id()
+        if open_batch:
+            self.aggregator.close(open_batch)
         return self.batch(*prompts)
 
     def published(self, count: int, timeout_s: float = 5.0) -> list[tuple[str, list[Result]]]:
