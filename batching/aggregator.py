@@ -45,6 +45,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -52,6 +53,7 @@ from batching import stats
 from batching.admission import ADMISSION_LUA
 from batching.keys import QueueKeys, ShardKeys, shard_tags, tag_of
 from batching.policy import MAX_BATCH_SIZE, Policy
+from batching.topology import is_cluster
 
 log = logging.getLogger(__name__)
 
@@ -372,6 +374,7 @@ class BatchAggregator:
         # Per shard: (admission's figure, when read), and (Redis ms - monotonic ms, when read).
         self._admission_seen: list[tuple[float, float] | None] = [None] * len(self.shards)
         self._clock_offsets: dict[str, tuple[float, float]] = {}
+        self._cluster = is_cluster(client)
         self.configure(max_batch_size=max_batch_size, deadline_ms=deadline_ms)
         self._clock = client.register_script(CLOCK_LUA)
         self._close = client.register_script(CLOSE_LUA)
@@ -423,26 +426,17 @@ class BatchAggregator:
         seen = self._admission_seen[index]
         now_s = time.monotonic()
         if seen is None or (seen[0] > budget_ms and now_s - seen[1] > ADMISSION_FRESH_S):
-            predicted = float(self.client.hget(keys.admission, "predicted") or 0)
-            seen = self._admission_seen[index] = (predicted, now_s)
+            figure = float(self.client.hget(keys.admission, "predicted") or 0)
+            seen = self._admission_seen[index] = (figure, now_s)
         if seen[0] > 0 and seen[0] > budget_ms:
             return Ticket("", -1, False, True, int(seen[0]))
         for _ in range(APPEND_ATTEMPTS):
             now_ms = self._redis_now_ms(keys, now_s)
             candidate = keys.batch_id(uuid.uuid4().hex)
             read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
-            with self.client.pipeline(transaction=True) as pipe:
-                pipe.set(
-                    keys.open_batch,
-                    f"{candidate} {now_ms} {self.max_batch_size}",
-                    nx=True,
-                    get=True,
-                    px=self.ttl_ms,
-                )
-                pipe.rpush(keys.pending, f"{now_ms + int(budget_ms)} {prompt}")
-                if read_admission:
-                    pipe.hget(keys.admission, "predicted")
-                joined, length, *predicted = pipe.execute()
+            pointer = f"{candidate} {now_ms} {self.max_batch_size}"
+            item = f"{now_ms + int(budget_ms)} {prompt}"
+            joined, length, *predicted = self._join(keys, pointer, item, read_admission)
             if predicted:
                 seen = self._admission_seen[index] = (float(predicted[0] or 0), now_s)
             if joined is None:
@@ -458,6 +452,54 @@ class BatchAggregator:
                 return Ticket(batch_id, length - 1, opened)
             # Pushed onto a batch already full (before its closer moved it): join the next.
         raise redis.RedisError(f"no batch of shard {keys.tag} took the request")
+
+    def _join(self, keys: ShardKeys, pointer: str, item: str, read_admission: bool) -> list[Any]:
+        """The append's MULTI: [the open pointer before (None: `pointer` set), the pending
+        list's length, (the admission figure)]."""
+        if self._cluster:  # its pipeline routes the MULTI to the shard's master
+            return self._join_pipelined(keys, pointer, item, read_admission)
+        return self._join_packed(keys, pointer, item, read_admission)
+
+    def _join_pipelined(
+        self, keys: ShardKeys, pointer: str, item: str, read_admission: bool
+    ) -> list[Any]:
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(keys.open_batch, pointer, nx=True, get=True, px=self.ttl_ms)
+            pipe.rpush(keys.pending, item)
+            if read_admission:
+                pipe.hget(keys.admission, "predicted")
+            return list(pipe.execute())
+
+    def _join_packed(
+        self, keys: ShardKeys, pointer: str, item: str, read_admission: bool
+    ) -> list[Any]:
+        """`_join_pipelined`'s bytes, sent by hand on a pooled connection: redis-py's Pipeline
+        spends several times the Python on them (`python -m bench.append_cost`)."""
+        commands: list[tuple[str | int, ...]] = [
+            ("MULTI",),
+            ("SET", keys.open_batch, pointer, "NX", "GET", "PX", self.ttl_ms),
+            ("RPUSH", keys.pending, item),
+        ]
+        if read_admission:
+            commands.append(("HGET", keys.admission, "predicted"))
+        commands.append(("EXEC",))
+        pool = self.client.connection_pool
+        # The pool hands out a connection Redis closed (restarted) only after reconnecting it.
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+            for _ in range(len(commands) - 1):
+                conn.read_response()  # +OK, then +QUEUED (an error raises)
+            replies = conn.read_response()
+        except BaseException:
+            conn.disconnect()  # replies may be left unread on it
+            raise
+        finally:
+            pool.release(conn)
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        return list(replies)
 
     def _redis_now_ms(self, keys: ShardKeys, now: float | None = None) -> int:
         """The shard's Redis server time in ms, from this process's monotonic clock and an

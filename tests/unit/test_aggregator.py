@@ -311,3 +311,31 @@ def test_a_sealed_batch_is_neither_held_nor_handed_over(aggregator: BatchAggrega
     assert not aggregator.hold(held.batch_id, seal_in_ms=0)  # nothing left to hold
     time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
     assert aggregator.take_due_handovers() == []
+
+
+def test_an_append_survives_a_pooled_connection_that_redis_closed(redis_url: str) -> None:
+    """A pooled connection gone stale (Redis restarted, or closed it) costs a reconnect, not
+    the request."""
+    client = redis.Redis.from_url(redis_url)  # its own pool: one connection, used in turn
+    aggregator = BatchAggregator(client, unique_queue("stale"))
+    first = aggregator.append("before", 500)
+    stale_id = client.client_id()
+    assert redis.Redis.from_url(redis_url).client_kill_filter(_id=stale_id) == 1
+    second = aggregator.append("after", 500)
+    assert client.client_id() != stale_id  # it did go through a new connection
+    assert (second.batch_id, second.index) == (first.batch_id, 1)
+    assert [item.prompt for item in aggregator.seal(first.batch_id).items] == ["before", "after"]
+
+
+def test_an_error_inside_the_append_is_raised_and_its_connection_stays_usable(
+    redis_client: redis.Redis,
+) -> None:
+    aggregator = BatchAggregator(redis_client, unique_queue("wrongtype"))
+    keys = aggregator.shards[0]
+    redis_client.set(keys.pending, "not a list")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        aggregator.append("p", 500)
+    redis_client.delete(keys.pending, keys.open_batch)
+    ticket = aggregator.append("p", 500)
+    assert (ticket.opened, ticket.index) == (True, 0)
+    assert [item.prompt for item in aggregator.seal(ticket.batch_id).items] == ["p"]
