@@ -3,8 +3,8 @@
 A queue's requests join open batches: one per shard (SAMPLING_SHARDS, one by default), each
 shard's keys under its own hash tag so that a Redis cluster spreads the shards over its
 masters. A request joins its shard's open batch with one MULTI of plain commands (`append`:
-SET NX GET of the open pointer, RPUSH onto the shard's pending list, PEXPIRE, HGET of the
-admission figure), the only Redis round trip of a request: no Lua on the request path, whose
+SET NX GET of the open pointer, RPUSH onto the shard's pending list, now and then an HGET of
+the admission figure), the only Redis round trip of a request: no Lua on the request path, whose
 cold call costs a Redis core about as much as the rest of the request. The pointer names the
 batch, its opening time and its maximum size; the request whose SET NX set it opened the
 batch and dispatches the batch's Celery task at once, with the batch id as task id, so every

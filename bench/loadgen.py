@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from batching.outcomes import RequestOutcome
@@ -148,7 +148,7 @@ async def _exchange(connections: _Connections, request: bytes) -> tuple[int, byt
 
 async def _run(
     host: str,
-    port: int,
+    ports: list[int],
     path: str,
     rate_rps: float,
     duration_s: float,
@@ -164,7 +164,9 @@ async def _run(
     results.outcomes = [OTHER] * len(offsets)
     results.send_lag_ms = [0.0] * len(offsets)
     results.intended_s = list(offsets)
-    connections = _Connections(host, port)
+    # Request i goes to ports[i % len(ports)]: the load split evenly over several servers
+    # (web nodes), as a round-robin balancer would.
+    pools = [_Connections(host, port) for port in ports]
     loop = asyncio.get_running_loop()
 
     async def one(index: int, intended: float) -> None:
@@ -180,7 +182,7 @@ async def _run(
         results.send_lag_ms[index] = (loop.time() - intended) * 1000
         try:
             status, answer = await asyncio.wait_for(
-                _exchange(connections, request), timeout=client_timeout_s
+                _exchange(pools[index % len(pools)], request), timeout=client_timeout_s
             )
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
             outcome, answer = OTHER, f"{type(exc).__name__}: {exc}".encode()
@@ -204,14 +206,15 @@ async def _run(
         tasks.append(asyncio.ensure_future(one(index, intended)))
     await asyncio.gather(*tasks)
     results.wall_s = loop.time() - start
-    connections.close()
+    for connections in pools:
+        connections.close()
     results.client_cpu_s = time.process_time() - cpu_before
     return results
 
 
 def run(
     host: str,
-    port: int,
+    port: int | Sequence[int],
     path: str,
     rate_rps: float,
     duration_s: float,
@@ -223,8 +226,10 @@ def run(
     post: bool = True,
 ) -> Results:
     """Offer `rate_rps` Poisson requests for `duration_s` and wait for every answer (or the
-    client's timeout). GET without a body when `post` is false (a bare view)."""
+    client's timeout). GET without a body when `post` is false (a bare view). Several ports:
+    the requests go to each in turn."""
+    ports = [port] if isinstance(port, int) else list(port)
     work = _run(
-        host, port, path, rate_rps, duration_s, prompt, expected, client_timeout_s, seed, post
+        host, ports, path, rate_rps, duration_s, prompt, expected, client_timeout_s, seed, post
     )
     return asyncio.run(work)

@@ -2,7 +2,7 @@
 
 Built lazily after gunicorn forks (and after gevent patches sockets), once per process.
 The pool is bounded: thousands of waiting requests share a few dozen connections, since a
-request holds one only for its single Lua call.
+request holds one only for its single round trip.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """HTTP views: POST /sample, GET /healthz, GET /readyz, GET /metrics.
 
-The request path never touches the database: one short Lua call to join a batch (the only
-Redis round trip of a request), one Celery publish (by task name) and one confirmation for
+The request path never touches the database: one MULTI of plain commands to join a batch
+(the only Redis round trip of a request), one Celery publish (by task name) and one confirmation for
 the request that opened it, and a wait on the batch's result through the process's shared
 result listener, which is subscribed already.
 """
