@@ -14,8 +14,9 @@ and offers it the request path alone, open-loop, at increasing rates:
            total rate (Poisson arrivals, or evenly spaced with `--arrivals even`); a thread
            behind its schedule sends at once and never after the step's end, so a client that
            cannot keep up shows as an achieved rate below the offered one (and as "late").
-           The request that opens a batch also confirms its dispatch (`dispatched`, one ZREM a
-           batch), as the web view does after sending the batch's task (no task is sent here);
+           The request that opens a batch also confirms its dispatch (`dispatched`, one
+           pipeline a batch), as the web view does after sending the batch's task (no task
+           is sent here);
   GPUs     one sealer thread every 10 ms seals every unsealed batch of the shard (the open one,
            and any that filled up since: one ZRANGE, then one SEAL each, with admission inputs
            of 1,000 workers and 1 ms turns, so admission never refuses) and, like the real
