@@ -54,3 +54,8 @@ def post_worker_init(worker: object) -> None:
     from sampling.runtime import warm_up
 
     warm_up()
+    # For whoever started gunicorn and waits for every process, not just the first one that
+    # answers (inference_site/lib/stack.py): this process has booted and now accepts requests.
+    ready_dir = os.environ.get("WEB_READY_DIR")
+    if ready_dir:
+        Path(ready_dir, str(os.getpid())).touch()

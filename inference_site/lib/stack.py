@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +38,16 @@ def _http_status(url: str, timeout: float = 2.0) -> int:
         return 0
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @dataclass
 class Stack:
     env: dict[str, str] = field(default_factory=dict)  # overrides for every process
@@ -51,6 +63,9 @@ class Stack:
     redis: EmbeddedRedis | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     web: subprocess.Popen[bytes] | None = None
+    # Where each web process marks itself booted (gunicorn.conf.py's post_worker_init): None
+    # when the config is not this tree's, which may not mark (an older checkout benchmarked).
+    _ready_dir: Path | None = None
     _logs: list[IO[bytes]] = field(default_factory=list)
 
     @property
@@ -108,6 +123,11 @@ class Stack:
         env = self.environment()
         env["PORT"] = str(self.port)
         env["WEB_CONCURRENCY"] = str(self.web_processes)
+        if self.web_config is None and self.root == ROOT:
+            if self._ready_dir is not None:
+                shutil.rmtree(self._ready_dir, ignore_errors=True)
+            self._ready_dir = Path(tempfile.mkdtemp(prefix="sampling-web-ready-"))
+            env["WEB_READY_DIR"] = str(self._ready_dir)
         output = self._output("web")
         config = self.web_config or self.root / "inference_site" / "gunicorn.conf.py"
         self.web = subprocess.Popen(
@@ -124,10 +144,19 @@ class Stack:
             for process in [self.web, *self.workers]:
                 if process is not None and process.poll() is not None:
                     raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
-            if _http_status(self.base_url + path) == 200:
+            # Every web process booted, not only the first to answer: a request accepted by one
+            # still importing would wait, and the booting one takes the CPU the others serve on.
+            if self._web_processes_booted() and _http_status(self.base_url + path) == 200:
                 return
             time.sleep(0.2)
         raise RuntimeError(f"{self.base_url}{path} not ready after {timeout_s} s")
+
+    def _web_processes_booted(self) -> bool:
+        if self._ready_dir is None:
+            return True
+        return sum(_alive(int(marker.name)) for marker in self._ready_dir.iterdir()) >= (
+            self.web_processes
+        )
 
     def stop_process(self, process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
         if process.poll() is None:
@@ -148,6 +177,8 @@ class Stack:
         for handle in self._logs:
             handle.close()
         self._logs.clear()
+        if self._ready_dir is not None:
+            shutil.rmtree(self._ready_dir, ignore_errors=True)
 
 
 # A process that exits is started again after a back-off that doubles with each exit in a row
