@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # sets DJANGO_SECRET_KEY (the settings refuse to start without one of the two).
 SECRET := .secret_key
 
-.PHONY: run test test-fast lint format typecheck bench bench-compare bench-model clean
+.PHONY: run test test-fast lint format typecheck bench bench-compare bench-model bench-openai clean
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt requirements-bench.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ bench-compare: $(STAMP) $(SECRET)
 
 bench-model: $(STAMP) $(SECRET)
 	$(PY) -m bench.sampler
+
+# /v1/completions under aiperf (installed on first use into .venv-aiperf) and our generator.
+bench-openai: $(STAMP) $(SECRET)
+	$(PY) -m bench.openai_load
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

@@ -39,6 +39,7 @@ alike) and numbers.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import time
@@ -51,6 +52,7 @@ import redis
 
 from batching import stats
 from batching.admission import ADMISSION_LUA
+from batching.generation import SampleRequest
 from batching.keys import QueueKeys, ShardKeys, shard_tags, tag_of
 from batching.policy import MAX_BATCH_SIZE, Policy
 from batching.topology import is_cluster
@@ -311,7 +313,8 @@ class Ticket:
 @dataclass(frozen=True)
 class Item:
     deadline_ms: int
-    prompt: str
+    prompt: str  # a /sample request's prompt ("" for a request with its own settings)
+    request: SampleRequest | None = None  # the prompt and settings of an API request
 
 
 @dataclass(frozen=True)
@@ -338,9 +341,27 @@ class AdmissionInputs:
     turn_ms: float
 
 
+def item_of(deadline_ms: int, prompt: str | SampleRequest) -> str:
+    """An item as a pending list holds it: its deadline (Redis ms), then a space and the bare
+    prompt of a /sample request (the queue's settings), or a colon and a request's JSON."""
+    if isinstance(prompt, str):
+        return f"{deadline_ms} {prompt}"
+    return f"{deadline_ms}:{prompt.to_json()}"
+
+
 def _parse_item(raw: bytes) -> Item:
-    deadline, prompt = raw.split(b" ", 1)
-    return Item(int(deadline), prompt.decode("utf-8"))
+    space, colon = raw.find(b" "), raw.find(b":")
+    if colon < 0 or 0 <= space < colon:  # a digit string is followed by one of the two
+        return Item(int(raw[:space]), raw[space + 1 :].decode("utf-8"))
+    return Item(int(raw[:colon]), "", SampleRequest.from_json(raw[colon + 1 :]))
+
+
+def _worker_info(raw: bytes | None) -> dict[str, Any]:
+    try:
+        info = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def batch_ttl_ms(deadline_ms: int) -> int:
@@ -410,8 +431,11 @@ class BatchAggregator:
             keys = ShardKeys(tag_of(batch_id) or self.queue)
         return keys
 
-    def append(self, prompt: str, budget_ms: int, shard: int | None = None) -> Ticket:
-        """Join the open batch of `shard` (by default the next shard in this process's turn):
+    def append(
+        self, prompt: str | SampleRequest, budget_ms: int, shard: int | None = None
+    ) -> Ticket:
+        """Join the open batch of `shard` (by default the next shard in this process's turn)
+        with a bare prompt (the queue's settings) or a request with its own settings:
         the request's one round trip, a MULTI of plain commands (a Lua call costs a Redis
         core several times more): SET NX GET of the open pointer (the batch joined, or this
         request's new one) and RPUSH of the item; and HGET of admission's figure when this
@@ -435,7 +459,7 @@ class BatchAggregator:
             candidate = keys.batch_id(uuid.uuid4().hex)
             read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
             pointer = f"{candidate} {now_ms} {self.max_batch_size}"
-            item = f"{now_ms + int(budget_ms)} {prompt}"
+            item = item_of(now_ms + int(budget_ms), prompt)
             joined, length, *predicted = self._join(keys, pointer, item, read_admission)
             if predicted:
                 seen = self._admission_seen[index] = (float(predicted[0] or 0), now_s)
@@ -634,6 +658,20 @@ class BatchAggregator:
 
     def live_workers(self) -> int:
         return int(self._heartbeat(keys=[self.keys.live_workers], args=["", HEARTBEAT_TIMEOUT_MS]))
+
+    def worker_infos(self, since_s: float) -> list[tuple[str, dict[str, Any]]]:
+        """The queue's workers seen since `since_s` (epoch seconds), each with its last
+        heartbeat's record ({} when it expired or cannot be read): two round trips."""
+        names = [
+            name.decode()
+            for name in self.client.zrange(
+                self.keys.known_workers, int(since_s), "+inf", byscore=True
+            )
+        ]
+        if not names:
+            return []
+        raws = self.client.mget([self.keys.worker_info(name) for name in names])
+        return [(name, _worker_info(raw)) for name, raw in zip(names, raws, strict=True)]
 
     def forget_worker(self, worker: str) -> None:
         self.client.zrem(self.keys.live_workers, worker)

@@ -8,7 +8,8 @@ Starts its own Redis (embedded unless REDIS_URL is set), Celery worker(s) with t
 sampler and gunicorn, then measures and prints a markdown table of:
   1. single-request latency (sequential requests) against SIMULATED_BATCH_MS;
   2. front-end CPU ms per request (gunicorn master + workers, from /proc) on the full
-     /sample path and on a bare Django view served the same way (/healthz), same load;
+     /sample path, on /v1/completions with one prompt (JSON in and out, as the openai client
+     sends it), and on a bare Django view served the same way (/healthz), same load;
   3. the deadline's accuracy: 504 latency minus the deadline, sequential, with no worker;
   4. simultaneous waits one node (2 processes) holds: N requests sent over 1.5 s to a queue
      with no worker and a 3 s deadline, so that all N wait at once, for gevent (the
@@ -35,11 +36,16 @@ from pathlib import Path  # noqa: E402
 import gevent  # noqa: E402
 from gevent.pool import Pool  # noqa: E402
 
+from bench import loadgen  # noqa: E402
 from bench.gap import Tree, worktree  # noqa: E402
 from bench.procstat import cpu_seconds  # noqa: E402
 from inference_site.lib.embedded_redis import EmbeddedRedis  # noqa: E402
 from inference_site.lib.stack import ROOT, Stack  # noqa: E402
 from workers.samplers.simulated import expected_completion  # noqa: E402
+
+COMPLETIONS = "/v1/completions"
+# The endpoints measured with a prompt; the model left to its default, as clients may.
+PROTOCOLS = {"/sample": loadgen.RAW_TEXT, COMPLETIONS: loadgen.completions_protocol()}
 
 
 def one(
@@ -70,8 +76,10 @@ def closed_loop(port: int, path: str, requests: int, concurrency: int, check: bo
 
     def task(i: int) -> None:
         prompt = f"bench {i} {uuid.uuid4().hex[:8]}"
-        status, body, _ = one(port, path, prompt.encode() if path == "/sample" else None)
-        wrong = check and path == "/sample" and body != expected_completion(prompt)
+        protocol = PROTOCOLS.get(path)  # None: a GET of a bare view
+        status, body, _ = one(port, path, protocol.body(prompt) if protocol else None)
+        text = protocol.answer(body.encode()) if protocol and status == 200 else None
+        wrong = check and text is not None and text != expected_completion(prompt)
         if status != 200 or wrong:
             errors.append(f"{status} {body[:80]}")
 
@@ -184,11 +192,13 @@ def main() -> None:
         rows.append(("single request latency p95 (ms)", f"{percentile(latencies, 95):.1f}"))
         rows.append(("p50 minus SIMULATED_BATCH_MS (ms)", f"{p50 - batch_ms:+.1f}"))
 
-        # 2. front-end CPU per request, full path vs bare view, alternating rounds
-        per_request: dict[str, list[float]] = {"/sample": [], "/healthz": []}
-        rates: dict[str, list[float]] = {"/sample": [], "/healthz": []}
+        # 2. front-end CPU per request, full path vs bare view vs the OpenAI-compatible
+        # endpoint (one prompt), alternating rounds
+        paths = ("/healthz", "/sample", COMPLETIONS)
+        per_request: dict[str, list[float]] = {path: [] for path in paths}
+        rates: dict[str, list[float]] = {path: [] for path in paths}
         for _ in range(rounds):
-            for path in ("/healthz", "/sample"):
+            for path in paths:
                 before = cpu_seconds(service.web.pid)
                 wall = closed_loop(service.port, path, cpu_requests, 50, check=True)
                 used = cpu_seconds(service.web.pid) - before
@@ -199,6 +209,9 @@ def main() -> None:
         rows.append(("front-end CPU per request, /sample (ms)", f"{full:.2f}"))
         rows.append(("front-end CPU per request, bare view /healthz (ms)", f"{bare:.2f}"))
         rows.append(("ratio full path / bare view", f"{full / bare:.2f}"))
+        api = statistics.median(per_request[COMPLETIONS])
+        rows.append((f"front-end CPU per request, {COMPLETIONS} one prompt (ms)", f"{api:.2f}"))
+        rows.append((f"ratio {COMPLETIONS} / /sample", f"{api / full:.2f}"))
         rows.append(("  (/sample throughput in that test, req/s)",
                      f"{statistics.median(rates['/sample']):.0f}"))  # fmt: skip
         if args.cpu_only:

@@ -14,6 +14,7 @@ Django-free and service-free: a host, a port, a path and numbers in; Results out
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,37 @@ STATUS_OUTCOMES = {
     504: RequestOutcome.TIMEOUT,
     503: RequestOutcome.REJECTED,
 }
+
+
+def _raw_answer(body: bytes) -> str:
+    return body.decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How a prompt goes into a request body and a completion comes out of an answer."""
+
+    content_type: str = "text/plain"
+    body: Callable[[str], bytes] = str.encode
+    answer: Callable[[bytes], str] = _raw_answer
+
+
+RAW_TEXT = Protocol()  # POST /sample
+
+
+def completions_protocol(model: str | None = None, max_tokens: int | None = None) -> Protocol:
+    """POST /v1/completions with one prompt, as the openai client sends it; the answer is
+    the first choice's text."""
+    settings = {"model": model, "max_tokens": max_tokens}
+    fields = {name: value for name, value in settings.items() if value is not None}
+
+    def body(prompt: str) -> bytes:
+        return json.dumps({**fields, "prompt": prompt}).encode()
+
+    def answer(raw: bytes) -> str:
+        return str(json.loads(raw)["choices"][0]["text"])
+
+    return Protocol("application/json", body, answer)
 
 
 @dataclass
@@ -157,8 +189,13 @@ async def _run(
     client_timeout_s: float,
     seed: int,
     post: bool,
+    protocol: Protocol,
+    constant: bool,
 ) -> Results:
-    offsets = poisson_schedule(rate_rps, duration_s, seed)
+    if constant:
+        offsets = [index / rate_rps for index in range(round(rate_rps * duration_s))]
+    else:
+        offsets = poisson_schedule(rate_rps, duration_s, seed)
     results = Results(rate_rps, duration_s)
     results.latencies_ms = [0.0] * len(offsets)
     results.outcomes = [OTHER] * len(offsets)
@@ -171,11 +208,11 @@ async def _run(
 
     async def one(index: int, intended: float) -> None:
         text = prompt(index)
-        body = text.encode("utf-8")
+        body = protocol.body(text)
         if post:
             request = (
                 f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"
-                "Content-Type: text/plain\r\n\r\n"
+                f"Content-Type: {protocol.content_type}\r\n\r\n"
             ).encode() + body
         else:
             request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
@@ -188,7 +225,7 @@ async def _run(
             outcome, answer = OTHER, f"{type(exc).__name__}: {exc}".encode()
         else:
             outcome = STATUS_OUTCOMES.get(status, OTHER)
-            if outcome == RequestOutcome.OK and answer.decode("utf-8", "replace") != expected(text):
+            if outcome == RequestOutcome.OK and protocol.answer(answer) != expected(text):
                 outcome = WRONG
             answer = f"{status} ".encode() + answer
         results.latencies_ms[index] = (loop.time() - intended) * 1000
@@ -224,12 +261,16 @@ def run(
     client_timeout_s: float = 3.0,
     seed: int = 1,
     post: bool = True,
+    protocol: Protocol | None = None,
+    constant: bool = False,
 ) -> Results:
-    """Offer `rate_rps` Poisson requests for `duration_s` and wait for every answer (or the
-    client's timeout). GET without a body when `post` is false (a bare view). Several ports:
-    the requests go to each in turn."""
+    """Offer `rate_rps` Poisson requests (evenly spaced when `constant`) for `duration_s` and
+    wait for every answer (or the client's timeout). GET without a body when `post` is false
+    (a bare view). Several ports: the requests go to each in turn. `protocol`: how a prompt
+    is sent and a completion read back (by default /sample's raw text)."""
     ports = [port] if isinstance(port, int) else list(port)
     work = _run(
-        host, ports, path, rate_rps, duration_s, prompt, expected, client_timeout_s, seed, post
-    )
+        host, ports, path, rate_rps, duration_s, prompt, expected, client_timeout_s, seed, post,
+        protocol or RAW_TEXT, constant,
+    )  # fmt: skip
     return asyncio.run(work)

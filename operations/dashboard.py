@@ -6,7 +6,6 @@ Django-free: a redis client, the queue and its policy in; plain data and SVG out
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -101,32 +100,18 @@ def build(client: redis.Redis, queue: str, policy: Policy, now: float | None = N
         mean_batch=recent.mean_batch(),
     )
     dashboard = Dashboard(queue, policy, now, recent, live, advice)
-    dashboard.workers = _workers(client, aggregator, recent, now)
+    dashboard.workers = _workers(aggregator, recent, now)
     dashboard.charts = _charts(hour, policy, now)
     return dashboard
 
 
 def _workers(
-    client: redis.Redis,
     aggregator: BatchAggregator,
     recent: stats.Summary,
     now: float,
 ) -> list[WorkerRow]:
-    names = [
-        name.decode()
-        for name in client.zrange(
-            aggregator.keys.known_workers,
-            int(now - stats.KNOWN_WORKERS_S),
-            "+inf",
-            byscore=True,
-        )
-    ]
-    if not names:
-        return []
-    infos = client.mget([aggregator.keys.worker_info(name) for name in names])
     rows = []
-    for name, raw in zip(names, infos, strict=True):
-        info = json.loads(raw) if raw else {}
+    for name, info in aggregator.worker_infos(now - stats.KNOWN_WORKERS_S):
         heartbeat_at = info.get("heartbeat_at")
         age = now - heartbeat_at if heartbeat_at else None
         state = info.get("state", "silent")

@@ -244,7 +244,10 @@ class BatchPipeline:
                 with self.runner.aggregator.client.pipeline(transaction=False) as pipe:
                     if report.publish:
                         self._queue_answers(pipe, batch_id, outcome.answers)
-                    self.runner.finish(outcome, pipe)
+                    try:
+                        self.runner.finish(outcome, pipe)
+                    except Exception:  # a record that fails must not keep the answers
+                        log.exception("batch %s: its record failed", batch_id)
                     pipe.execute()
             except Exception:  # the members time out at their deadline instead
                 log.exception("batch %s could not be reported", batch_id)

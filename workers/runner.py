@@ -13,11 +13,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import redis
 
 from batching import stats
 from batching.aggregator import AdmissionInputs, BatchAggregator, Item, SealedBatch
+from batching.generation import Completion, Row
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
 from workers.metrics import WorkerMetrics
@@ -28,8 +30,23 @@ log = logging.getLogger(__name__)
 # Weight of the newest call in the running estimate of a sampling call's duration.
 ESTIMATE_WEIGHT = 0.3
 
-# One item's answer: [ItemOutcome, text], the completion for OK, a one-line reason otherwise.
-Result = list[str]
+# One item's answer: [ItemOutcome, text], the completion for OK, a one-line reason otherwise;
+# an API request's completion also carries [finish reason, prompt tokens, completion tokens].
+Result = list[Any]
+
+
+def _answer(item: Item, completion: Completion | PromptRejected) -> Result:
+    if isinstance(completion, PromptRejected):
+        return [ItemOutcome.PROMPT_REJECTED, str(completion) or "prompt rejected"]
+    if item.request is None:  # a /sample request's answer: the text alone, as ever
+        return [ItemOutcome.OK, completion.text]
+    return [
+        ItemOutcome.OK,
+        completion.text,
+        str(completion.finish_reason),
+        completion.prompt_tokens,
+        completion.completion_tokens,
+    ]
 
 
 @dataclass
@@ -184,26 +201,31 @@ class BatchRunner:
     def _sample(
         self, batch_id: str, items: list[Item], indexes: list[int], results: dict[int, Result]
     ) -> float:
-        """One batched_sample call for items[indexes]; fills their results; returns its ms."""
-        prompts = [items[i].prompt for i in indexes]
+        """One sampler call for items[indexes]; fills their results; returns its ms."""
+        rows: list[Row] = []
+        called: list[int] = []
+        for index in indexes:
+            try:
+                rows.append(self._row(items[index]))
+                called.append(index)
+            except ValueError as exc:  # a chat its template refuses: this item alone
+                results[index] = [ItemOutcome.PROMPT_REJECTED, str(exc) or "prompt rejected"]
         started = time.perf_counter()
+        if not rows:
+            return 0.0
         self.busy_since = time.monotonic()
         try:
-            completions = self.sampler.batched_sample(prompts)
-            if len(completions) != len(prompts):
+            completions = self.sampler.batched_complete(rows)
+            if len(completions) != len(rows):
                 raise RuntimeError(
-                    f"sampler returned {len(completions)} completions for {len(prompts)} prompts"
+                    f"sampler returned {len(completions)} completions for {len(rows)} prompts"
                 )
-            for index, completion in zip(indexes, completions, strict=True):
-                if isinstance(completion, PromptRejected):
-                    reason = str(completion) or "prompt rejected"
-                    results[index] = [ItemOutcome.PROMPT_REJECTED, reason]
-                else:
-                    results[index] = [ItemOutcome.OK, str(completion)]
+            for index, completion in zip(called, completions, strict=True):
+                results[index] = _answer(items[index], completion)
         except Exception as exc:  # any sampler failure fails this call's items, not the worker
             log.exception("sampler %s failed on batch %s", self.sampler.name, batch_id)
             reason = f"sampler failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
-            for index in indexes:
+            for index in called:
                 results[index] = [ItemOutcome.ERROR, reason]
         finally:
             self.busy_since = None
@@ -211,10 +233,21 @@ class BatchRunner:
         self.estimate_ms += ESTIMATE_WEIGHT * (sampler_ms - self.estimate_ms)
         return sampler_ms
 
+    def _row(self, item: Item) -> Row:
+        """The item as the sampler's row: a /sample prompt with the queue's settings, or an
+        API request's prompt (a chat rendered by the sampler's template) with its own."""
+        request = item.request
+        if request is None:
+            return Row(item.prompt, self.sampler.row_settings(), bare=True)
+        settings = request.settings(self.sampler.generation)
+        if request.messages:
+            return Row(self.sampler.render_chat(request.messages), settings, templated=True)
+        return Row(request.prompt, settings)
+
     def _record(self, turn: Turn, pipe: redis.client.Pipeline | None) -> None:
         batch_id, sealed, policy = turn.batch_id, turn.sealed, turn.policy
         results, sampler_ms, calls = turn.answers, turn.sampler_ms, len(turn.chunks)
-        counts = Counter(ItemOutcome(outcome) for outcome, _ in results)
+        counts = Counter(ItemOutcome(answer[0]) for answer in results)
         expired = counts[ItemOutcome.EXPIRED]
         queue_wait_ms = sealed.now_ms - sealed.opened_at_ms if sealed.opened_at_ms >= 0 else None
         record = {

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from batching.generation import Completion, FinishReason, Row, RowSettings, render_chat_plain
 from inference_site.lib.stack import ROOT
 from tests.support.tiny_model import TINY_CONTEXT_TOKENS, build_tiny_model
 from workers.samplers.base import MAX_BATCH, GenerationSettings, PromptRejected
@@ -210,3 +212,80 @@ def test_model_benchmark_prints_its_table(tiny_model_dir: Path) -> None:
     rows = [line.split("|") for line in output.stdout.splitlines() if line.startswith("| ")]
     assert [row[1].strip() for row in rows[1:]] == ["1", "3"], output.stdout
     assert rows[2][4].strip().endswith("x")
+
+
+# --- per-request settings, row by row in one call ------------------------------------------
+
+
+def mixed_rows(sampler: HFSampler, max_tokens: int) -> list[Row]:
+    """Greedy and sampled rows with different max tokens and stops; each stop is a word that
+    its row writes when alone without one (so that the stop really cuts)."""
+    base = [
+        Row(MIXED_PROMPTS[0], RowSettings(max_tokens=max_tokens)),
+        Row(MIXED_PROMPTS[1], RowSettings(max_tokens=3)),
+        Row(MIXED_PROMPTS[2], RowSettings(max_tokens=max_tokens, temperature=0.8, top_p=0.9,
+                                          seed=1)),
+        Row(MIXED_PROMPTS[3], RowSettings(max_tokens=max_tokens - 2, temperature=1.3, seed=2)),
+        Row(MIXED_PROMPTS[4], RowSettings(max_tokens=max_tokens)),
+    ]  # fmt: skip
+    rows = []
+    for row in base:
+        [alone] = sampler.batched_complete([row])
+        assert isinstance(alone, Completion)
+        words = alone.text.split()
+        if row.settings.max_tokens == max_tokens and len(words) >= 3:
+            settings = replace(row.settings, stop=("never written", words[len(words) // 2]))
+            row = replace(row, settings=settings)
+        rows.append(row)
+    assert sum(bool(row.settings.stop) for row in rows) >= 2
+    return rows
+
+
+def check_rows_match_alone(sampler: HFSampler, rows: list[Row]) -> list[Completion]:
+    batched = sampler.batched_complete(rows)
+    alone = [sampler.batched_complete([row])[0] for row in rows]
+    assert batched == alone
+    completions = [c for c in batched if isinstance(c, Completion)]
+    assert len(completions) == len(rows)
+    for row, completion in zip(rows, completions, strict=True):
+        assert completion.completion_tokens <= row.settings.max_tokens
+        assert completion.prompt_tokens == len(sampler.tokenizer(row.prompt)["input_ids"])
+        if completion.finish_reason == FinishReason.LENGTH:
+            assert completion.completion_tokens == row.settings.max_tokens
+        assert not any(stop in completion.text for stop in row.settings.stop)
+    return completions
+
+
+def test_each_row_of_a_mixed_batch_gets_what_it_gets_alone(tiny: HFSampler) -> None:
+    rows = mixed_rows(tiny, 8)
+    completions = check_rows_match_alone(tiny, rows)
+    reasons = {completion.finish_reason for completion in completions}
+    assert reasons == {FinishReason.STOP, FinishReason.LENGTH}
+    assert completions[1].completion_tokens == 3  # its own max tokens, in a batch of 8
+    # A greedy row is the queue's greedy completion (8 tokens), cut at its own 3.
+    queue_greedy = tiny.batched_sample([MIXED_PROMPTS[1]])[0]
+    assert isinstance(queue_greedy, str)
+    assert queue_greedy.startswith(completions[1].text)
+
+
+def test_a_seed_reproduces_a_draw_and_no_seed_draws_afresh(tiny: HFSampler) -> None:
+    seeded = Row(MIXED_PROMPTS[3], RowSettings(max_tokens=8, temperature=1.5, seed=42))
+    fresh = replace(seeded, settings=replace(seeded.settings, seed=None))
+    others = [Row(prompt, RowSettings(8, 1.0)) for prompt in MIXED_PROMPTS[:3]]
+    first = tiny.batched_complete([seeded])[0]
+    assert tiny.batched_complete([*others, seeded])[-1] == first
+    assert tiny.batched_complete([seeded, *others])[0] == first
+    draws = {str(tiny.batched_complete([fresh])[0]) for _ in range(5)}
+    assert len(draws) > 1
+
+
+def test_a_chat_is_rendered_with_the_model_s_template(tiny: HFSampler) -> None:
+    assert tiny.tokenizer.chat_template  # the packaged SmolLM2 tokenizer has one
+    rendered = tiny.render_chat((("system", "Be brief."), ("user", "What is E?")))
+    assert "Be brief." in rendered
+    assert "What is E?" in rendered
+    assert rendered != render_chat_plain((("system", "Be brief."), ("user", "What is E?")))
+
+
+def test_packaged_smollm2_rows_match_alone(smollm2: HFSampler) -> None:
+    check_rows_match_alone(smollm2, mixed_rows(smollm2, 8))

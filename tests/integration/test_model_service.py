@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
 
+from batching.generation import Completion, Row, RowSettings
 from inference_site.lib.stack import ROOT, Stack
 from tests.support import unique_queue
 from tests.support.http import sample
@@ -60,6 +62,43 @@ def test_concurrent_prompts_get_their_own_completions_and_a_too_long_one_a_400(
     assert [r.body for r in replies[:2]] == smollm2.batched_sample(prompts[:2])
     assert replies[2].body.startswith("prompt rejected by the model: prompt is ")
     assert f"at most {CONTEXT_TOKENS - 8} fit" in replies[2].body
+
+
+def test_the_openai_client_gets_smollm2_row_by_row_with_its_chat_template(
+    model_service: Stack, smollm2: HFSampler
+) -> None:
+    """A chat rendered by the worker's tokenizer and a completion with settings of its own,
+    sharing one batch: each is what the same model gives that request alone."""
+    client = OpenAI(base_url=f"{model_service.base_url}/v1", api_key="-", max_retries=0,
+                    timeout=60)  # fmt: skip
+    model = model_service.env["SAMPLING_QUEUE"]
+    chat = (("system", "Answer in one word."), ("user", "What is the capital of France?"))
+    prompt = "The capital of France is"
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        chatted = pool.submit(
+            client.chat.completions.create,  # type: ignore[arg-type]
+            model=model,
+            messages=[{"role": role, "content": content} for role, content in chat],
+        )
+        completed = pool.submit(
+            client.completions.create, model=model, prompt=prompt, max_tokens=4,
+            temperature=0.7, seed=3,
+        )  # fmt: skip
+        chat_answer, completion = chatted.result(), completed.result()
+    rendered = smollm2.render_chat(chat)
+    [alone] = smollm2.batched_complete([Row(rendered, smollm2.row_settings(), templated=True)])
+    assert isinstance(alone, Completion)
+    assert chat_answer.choices[0].message.content == alone.text
+    assert chat_answer.usage is not None
+    assert chat_answer.usage.prompt_tokens == alone.prompt_tokens
+    assert chat_answer.usage.completion_tokens == alone.completion_tokens
+    settings = RowSettings(max_tokens=4, temperature=0.7, seed=3)
+    [alone] = smollm2.batched_complete([Row(prompt, settings)])
+    assert isinstance(alone, Completion)
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == (
+        alone.text,
+        str(alone.finish_reason),
+    )
 
 
 def test_a_worker_whose_model_cannot_load_exits(redis_url: str, tmp_path: Path) -> None:

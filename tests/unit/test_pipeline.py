@@ -221,3 +221,21 @@ def test_close_finishes_the_running_call_and_publishes_it(harness: MakeHarness) 
     assert [batch for batch, _ in h.published(1, timeout_s=0)] == [batch_id]
     with pytest.raises(RuntimeError, match="closed"):
         h.pipeline.submit(h.next_batch("too late"))
+
+
+def test_a_failing_record_does_not_keep_the_answers(harness: MakeHarness) -> None:
+    """The reporter sends a batch's answers and its record in one round trip: a record that
+    cannot be made (a bug) must not cost the batch's requests their answers."""
+    h = harness()
+
+    def broken_record(turn: object, pipe: object) -> None:
+        raise ValueError("a record that cannot be made")
+
+    h.runner._record = broken_record  # type: ignore[method-assign]
+    first, second = h.next_batch("p1"), h.next_batch("p2")
+    h.pipeline.submit(first)
+    h.pipeline.submit(second)  # the reporter publishes the first while the GPU runs this one
+    assert h.published(2) == [
+        (first, [[ItemOutcome.OK, "P1"]]),
+        (second, [[ItemOutcome.OK, "P2"]]),
+    ]

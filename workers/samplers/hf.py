@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batching.generation import Completion, FinishReason, Row, cut_at_stop
 from inference_site.lib.env import env_bool
 from workers.samplers.base import GenerationSettings, PromptRejected, Sampler
+from workers.samplers.rows import RowEnds, RowSampling
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,13 @@ class HFSampler(Sampler):
         device: str = "",
     ) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoTokenizer,
+            GenerationConfig,
+            LogitsProcessorList,
+            StoppingCriteriaList,
+        )
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a worker's log is not a terminal
@@ -152,6 +160,10 @@ class HFSampler(Sampler):
 
         self.context_tokens = self._context_tokens()
         self._generation_config_class = GenerationConfig
+        self._processors_class = LogitsProcessorList
+        self._criteria_class = StoppingCriteriaList
+        eos = self.model.generation_config.eos_token_id or tokenizer.eos_token_id
+        self._eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.configure(generation or GenerationSettings())
         self._torch = torch
         if self.device == "cpu":
@@ -175,40 +187,17 @@ class HFSampler(Sampler):
         )
 
     def configure(self, generation: GenerationSettings) -> None:
-        max_prompt_tokens = self.context_tokens - generation.max_new_tokens
-        if max_prompt_tokens < 1:
+        if self.context_tokens - generation.max_new_tokens < 1:
             raise ValueError(
                 f"max new tokens ({generation.max_new_tokens}) leaves no room for a prompt "
                 f"in the model's {self.context_tokens}-token context"
             )
-        tokenizer = self.tokenizer
-        sampling = generation.temperature > 0
-        model_defaults = self.model.generation_config
-        # Built from scratch so a checkpoint's own sampling defaults (temperature, top_k...)
-        # never change what the service's settings say.
-        generation_config = self._generation_config_class(
-            max_new_tokens=generation.max_new_tokens,
-            do_sample=sampling,
-            temperature=generation.temperature if sampling else None,
-            top_p=generation.top_p if sampling else None,
-            top_k=0 if sampling else None,  # only temperature and top-p shape the draw
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=model_defaults.eos_token_id or tokenizer.eos_token_id,
-            bos_token_id=model_defaults.bos_token_id or tokenizer.bos_token_id,
-        )
-        stopping_criteria = None
-        if generation.stop:
-            from transformers import StoppingCriteriaList, StopStringCriteria
-
-            # Ends a sequence's generation at the stop string; the batch ends when all have.
-            stopping_criteria = StoppingCriteriaList(
-                [StopStringCriteria(tokenizer=tokenizer, stop_strings=[generation.stop])]
-            )
-        # Swapped together, between calls (the worker's task thread calls this).
-        self.max_prompt_tokens = max_prompt_tokens
-        self.generation_config = generation_config
-        self.stopping_criteria = stopping_criteria
         self.generation = generation
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt a row with the queue's max new tokens takes."""
+        return self.context_tokens - self.generation.max_new_tokens
 
     def _context_tokens(self) -> int:
         config = self.model.config
@@ -223,15 +212,29 @@ class HFSampler(Sampler):
         return FALLBACK_CONTEXT_TOKENS
 
     def sample(self, prompts: list[str]) -> list[str | PromptRejected]:
-        results: list[str | PromptRejected] = [PromptRejected("not sampled") for _ in prompts]
-        token_ids: list[list[int]] = self.tokenizer(prompts)["input_ids"]
+        """The queue's settings for every prompt: `complete` with /sample's rows."""
+        settings = self.row_settings()
+        completions = self.complete([Row(prompt, settings, bare=True) for prompt in prompts])
+        return [c if isinstance(c, PromptRejected) else c.text for c in completions]
+
+    def complete(self, rows: list[Row]) -> list[Completion | PromptRejected]:
+        """One left-padded `generate` for every row, each with its own settings: greedy rows
+        stay exactly greedy, sampled rows draw from their own random streams (workers.samplers.
+        rows), every row ends at its own max tokens, end of sequence or stop string, and the
+        call generates to the longest row's max tokens (or until every row has ended)."""
+        results: list[Completion | PromptRejected] = [PromptRejected("not sampled") for _ in rows]
+        token_ids = self._token_ids(rows)
+        # Every row must fit with the queue's max new tokens, the most any row may ask: the
+        # call runs to its longest row's, and a rule that did not depend on the batch keeps a
+        # row's answer the same whatever shares its call.
+        max_prompt_tokens = self.max_prompt_tokens
         accepted: list[int] = []
         for index, ids in enumerate(token_ids):
             if not ids:
                 results[index] = PromptRejected("prompt has no tokens")
-            elif len(ids) > self.max_prompt_tokens:
+            elif len(ids) > max_prompt_tokens:
                 results[index] = PromptRejected(
-                    f"prompt is {len(ids)} tokens; at most {self.max_prompt_tokens} fit "
+                    f"prompt is {len(ids)} tokens; at most {max_prompt_tokens} fit "
                     f"({self.context_tokens}-token context less "
                     f"{self.generation.max_new_tokens} new tokens)"
                 )
@@ -240,32 +243,81 @@ class HFSampler(Sampler):
         if not accepted:
             return results
 
+        settings = [rows[i].settings for i in accepted]
         batch = self.tokenizer.pad(
             {"input_ids": [token_ids[i] for i in accepted]},
             padding=True,
             return_tensors="pt",
         ).to(self.device)
+        prompt_length = batch["input_ids"].shape[1]
+        ends = RowEnds(settings, prompt_length, self.tokenizer, self._eos_ids)
+        processors = self._processors_class([RowSampling(settings, self.device)])
+        max_new_tokens = max(row.max_tokens for row in settings)
         with self._torch.inference_mode():
             output = self.model.generate(
                 input_ids=batch["input_ids"],
                 attention_mask=batch["attention_mask"],
-                generation_config=self.generation_config,
-                stopping_criteria=self.stopping_criteria,
+                generation_config=self._generation_config(max_new_tokens),
+                logits_processor=processors,
+                stopping_criteria=self._criteria_class([ends]),
             )
         # Only the new tokens: everything after the (padded) prompt.
-        new_tokens = output[:, batch["input_ids"].shape[1] :]
-        texts = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-        for index, text in zip(accepted, texts, strict=True):
-            results[index] = self._cut_at_stop(text)
+        new_tokens = output[:, prompt_length:].tolist()
+        for position, index in enumerate(accepted):
+            kept, reason = ends.kept(position, new_tokens[position])
+            text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            text, stopped = cut_at_stop(text, settings[position].stop)
+            results[index] = Completion(
+                text,
+                FinishReason.STOP if stopped else reason,
+                len(token_ids[index]),
+                len(kept),
+            )
         return results
 
-    def _cut_at_stop(self, text: str) -> str:
-        stop = self.generation.stop
-        if stop:
-            position = text.find(stop)
-            if position >= 0:
-                return text[:position]
-        return text
+    def _token_ids(self, rows: list[Row]) -> list[list[int]]:
+        """Each row's prompt as token ids. A chat rendered by the template carries its own
+        special tokens (a BOS, where the template writes one): none are added to it."""
+        token_ids: list[list[int]] = [[] for _ in rows]
+        for templated in (False, True):
+            indexes = [i for i, row in enumerate(rows) if row.templated == templated]
+            if indexes:
+                encoded = self.tokenizer(
+                    [rows[i].prompt for i in indexes], add_special_tokens=not templated
+                )["input_ids"]
+                for index, ids in zip(indexes, encoded, strict=True):
+                    token_ids[index] = ids
+        return token_ids
+
+    def _generation_config(self, max_new_tokens: int) -> Any:
+        """Greedy argmax over the scores RowSampling leaves: a sampled row's scores carry its
+        own draw. Built from scratch so a checkpoint's own sampling defaults (temperature,
+        top_k...) never change what a row's settings say."""
+        model_defaults = self.model.generation_config
+        return self._generation_config_class(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=model_defaults.eos_token_id or self.tokenizer.eos_token_id,
+            bos_token_id=model_defaults.bos_token_id or self.tokenizer.bos_token_id,
+        )
+
+    def render_chat(self, messages: tuple[tuple[str, str], ...]) -> str:
+        """The model's own chat template (from its tokenizer), or the plain one without."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return super().render_chat(messages)
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": role, "content": content} for role, content in messages],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception as exc:  # jinja's TemplateError: the template refused the chat
+            raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
+        return str(rendered)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def warm_up(self) -> float:
         """One padded batch of unequal prompts: loads the kernels a real batch uses."""

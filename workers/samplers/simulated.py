@@ -3,13 +3,22 @@
 Each call takes SIMULATED_BATCH_MS whatever the batch size (the GPU is busy for the whole
 call) and returns deterministic, prompt-specific completions, so a test or a benchmark can
 check that every answer went back to the request that asked for it.
+
+A /sample request gets `expected_completion(prompt)` whatever the queue's policy. A request
+with its own settings (the OpenAI-compatible API) gets the same completion shaped by them, so
+that every setting is observable without a model: its tokens are whitespace-separated words;
+a temperature above 0 draws the first three words from the row's own random stream (seeded by
+its `seed`, else fresh); max tokens keeps the first words (`length`); a stop string cuts the
+text before it (`stop`). A chat is rendered with batching.generation.render_chat_plain.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 import time
 
+from batching.generation import Completion, FinishReason, Row, RowSettings, cut_at_stop
 from workers.samplers.base import PromptRejected, Sampler
 
 KNOWN_COMPLETIONS = {
@@ -47,6 +56,21 @@ _WORDS = [
 ]
 
 
+def expected_row_completion(prompt: str, settings: RowSettings) -> tuple[str, FinishReason]:
+    """What the simulated sampler answers a row with its own settings, and why it ended."""
+    words = expected_completion(prompt).split(" ")
+    if not settings.greedy:
+        # A stand-in for a model's draw, not a secret.
+        seed = settings.seed if settings.seed is not None else random.random()  # noqa: S311
+        stream = random.Random(seed)  # noqa: S311
+        words[:3] = [stream.choice(_WORDS) for _ in range(3)]
+    reason = FinishReason.STOP
+    if len(words) > settings.max_tokens:
+        words, reason = words[: settings.max_tokens], FinishReason.LENGTH
+    text, stopped = cut_at_stop(" ".join(words), settings.stop)
+    return text, FinishReason.STOP if stopped else reason
+
+
 def expected_completion(prompt: str) -> str:
     """The completion the simulated sampler gives `prompt`: a known answer, else three words
     drawn from a hash of the prompt followed by its length, so distinct prompts get distinct
@@ -71,4 +95,20 @@ class SimulatedSampler(Sampler):
         remaining = self.batch_ms / 1000 - (time.perf_counter() - started)
         if remaining > 0:
             time.sleep(remaining)
+        return completions
+
+    def complete(self, rows: list[Row]) -> list[Completion | PromptRejected]:
+        texts = self.sample([row.prompt for row in rows])  # the call (and a probe's hooks)
+        completions: list[Completion | PromptRejected] = []
+        for row, text in zip(rows, texts, strict=True):
+            if isinstance(text, PromptRejected):
+                completions.append(text)
+                continue
+            if row.bare:  # a /sample row: the contract's answer, whatever the policy
+                completions.append(Completion(text, FinishReason.STOP, 0, 0))
+                continue
+            answer, reason = expected_row_completion(row.prompt, row.settings)
+            completions.append(
+                Completion(answer, reason, self.count_tokens(row.prompt), self.count_tokens(answer))
+            )
         return completions

@@ -1,0 +1,140 @@
+"""The OpenAPI document of the JSON API (GET /v1/openapi.json), from sampling.schemas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from sampling import schemas
+
+JSON = "application/json"
+REF = "#/components/schemas/{model}"
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _content(model: type[BaseModel]) -> dict[str, Any]:
+    return {JSON: {"schema": _ref(model)}}
+
+
+def _ok(model: type[BaseModel]) -> dict[str, Any]:
+    return {"description": "OK", "content": _content(model)}
+
+
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    return {"required": True, "content": _content(model)}
+
+
+def _errors(model: type[BaseModel], *statuses: int) -> dict[str, Any]:
+    reasons = {
+        400: "Invalid request: the message and `param` name the problem.",
+        404: "Unknown model.",
+        502: "The sampler failed for the batch.",
+        503: "Overloaded or the queue unavailable: try again after Retry-After.",
+        504: "No completion within the deadline.",
+    }
+    return {str(status): {"description": reasons[status], "content": _content(model)}
+            for status in statuses}  # fmt: skip
+
+
+def _generation(request: type[BaseModel], answer: type[BaseModel], summary: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": _body(request),
+            "responses": {
+                "200": {
+                    "description": "The completion; with `stream`, server-sent events.",
+                    "content": {
+                        **_content(answer),
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **_errors(schemas.ErrorResponse, 400, 404, 502, 503, 504),
+            },
+        }
+    }
+
+
+def openapi_document() -> dict[str, Any]:
+    _, definitions = models_json_schema(
+        [
+            (model, "validation")
+            for model in (
+                schemas.CompletionRequest,
+                schemas.ChatCompletionRequest,
+                schemas.InferenceRequest,
+            )
+        ]
+        + [
+            (model, "serialization")
+            for model in (
+                schemas.CompletionResponse,
+                schemas.ChatCompletionResponse,
+                schemas.ModelList,
+                schemas.Model,
+                schemas.ErrorResponse,
+                schemas.InferenceResponse,
+                schemas.InferenceError,
+            )
+        ],
+        ref_template=REF,
+    )
+    model_id = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Sampling service",
+            "version": "1",
+            "description": "OpenAI-compatible completions, chat and models, and a plain JSON "
+            "inference API. POST /sample (a raw prompt in, a plain-text completion out) is "
+            "documented in the README.",
+        },
+        "paths": {
+            "/v1/completions": _generation(
+                schemas.CompletionRequest, schemas.CompletionResponse, "Complete prompts"
+            ),
+            "/v1/chat/completions": _generation(
+                schemas.ChatCompletionRequest, schemas.ChatCompletionResponse, "Continue a chat"
+            ),
+            "/v1/models": {
+                "get": {
+                    "summary": "The served model",
+                    "responses": {
+                        "200": {"description": "OK", "content": _content(schemas.ModelList)}
+                    },
+                }
+            },
+            "/v1/models/{model_id}": {
+                "get": {
+                    "summary": "One model",
+                    "parameters": [model_id],
+                    "responses": {
+                        "200": _ok(schemas.Model),
+                        **_errors(schemas.ErrorResponse, 404),
+                    },
+                }
+            },
+            "/api/inference": {
+                "post": {
+                    "summary": "One prompt, the queue's settings",
+                    "requestBody": {
+                        "required": True,
+                        "content": _content(schemas.InferenceRequest),
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": _content(schemas.InferenceResponse),
+                        },
+                        **_errors(schemas.InferenceError, 400, 502, 503, 504),
+                    },
+                }
+            },
+        },
+        "components": {"schemas": definitions["$defs"]},
+    }

@@ -1,0 +1,213 @@
+"""A request's items through the batches: join, dispatch, wait. Shared by every endpoint.
+
+Each item joins its shard's open batch with the request's one Redis round trip (one per item:
+a list prompt or `n` choices are several items, each its own row of a batch); the request
+that opened a batch sends its Celery task (by name, task id = batch id) and confirms it; then
+the request waits on each batch's result through the process's shared result listener, with
+what is left of its deadline. What the request gets is every item's answer, or one `Failure`
+that each endpoint words in its own format (plain text on /sample, OpenAI's error JSON on
+/v1, the seed design's JSON on /api/inference).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import redis
+from celery.backends.redis import RedisBackend
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from batching.generation import SampleRequest
+from batching.outcomes import ItemOutcome, RequestOutcome
+from batching.protocol import RUN_BATCH_TASK
+from batching.results import queue_result
+from inference_site.celery import app as celery_app
+from sampling import metrics
+from sampling.runtime import WebProcess, web_process
+
+log = logging.getLogger(__name__)
+
+QUEUE_UNAVAILABLE = "batch queue unavailable"
+# One quick reconnect (a pooled connection gone stale after a broker restart), no more: a
+# broker that refuses twice is not back within a deadline. Celery's default retries for ~1 s.
+PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.05, "interval_max": 0.05}
+
+
+class Problem(StrEnum):
+    """Why a request got no completion: one vocabulary, worded by each endpoint."""
+
+    OVERLOADED = "overloaded"  # 503 + Retry-After: admission predicts a missed deadline
+    UNAVAILABLE = "unavailable"  # 503 + Retry-After: Redis or the broker cannot be reached
+    DEADLINE = "deadline"  # 504: no completion within the deadline
+    PROMPT_REJECTED = "prompt_rejected"  # 400: the model refused the prompt (too long...)
+    SAMPLER_FAILED = "sampler_failed"  # 502: the sampler failed for the batch
+
+
+STATUS = {
+    Problem.OVERLOADED: 503,
+    Problem.UNAVAILABLE: 503,
+    Problem.DEADLINE: 504,
+    Problem.PROMPT_REJECTED: 400,
+    Problem.SAMPLER_FAILED: 502,
+}
+OUTCOME = {
+    Problem.OVERLOADED: RequestOutcome.REJECTED,
+    Problem.UNAVAILABLE: RequestOutcome.ERROR,
+    Problem.DEADLINE: RequestOutcome.TIMEOUT,
+    Problem.PROMPT_REJECTED: RequestOutcome.BAD_REQUEST,
+    Problem.SAMPLER_FAILED: RequestOutcome.ERROR,
+}
+
+
+@dataclass(frozen=True)
+class Failure:
+    problem: Problem
+    message: str  # one line, for the client
+    retry_after_s: int = 0  # 503 only: when to try again
+
+    @property
+    def status(self) -> int:
+        return STATUS[self.problem]
+
+    @property
+    def outcome(self) -> RequestOutcome:
+        return OUTCOME[self.problem]
+
+
+Handler = Callable[[HttpRequest, WebProcess, float], tuple[RequestOutcome, HttpResponse]]
+
+
+def counted(handle: Handler) -> Callable[[HttpRequest], HttpResponse]:
+    """A view around `handle(request, process, arrival)`: every endpoint's request counted in
+    memory (statistics flushed to Redis once a second) and in this process's Prometheus file,
+    with no round trip on the request path. CSRF does not apply to the API (no cookies)."""
+
+    @csrf_exempt
+    def view(request: HttpRequest) -> HttpResponse:
+        arrival = time.monotonic()
+        process = web_process()
+        outcome, response = handle(request, process, arrival)
+        latency_s = time.monotonic() - arrival
+        process.stats.record(outcome, latency_s)
+        metrics.record_request(outcome, latency_s)
+        return response
+
+    view.__name__ = view.__qualname__ = handle.__name__.lstrip("_")
+    return view
+
+
+def _unavailable() -> Failure:
+    return Failure(Problem.UNAVAILABLE, QUEUE_UNAVAILABLE, 1)
+
+
+def submit(
+    process: WebProcess,
+    items: Sequence[str | SampleRequest],
+    deadline: float,
+    deadline_ms: int,
+) -> list[list[Any]] | Failure:
+    """Every item's answer ([ItemOutcome.OK, text, ...] each, in order), or why the request
+    gets none. `deadline` is monotonic; `deadline_ms` the policy's, for messages."""
+    tickets = []
+    for item in items:
+        try:
+            ticket = process.aggregator.append(item, int((deadline - time.monotonic()) * 1000))
+        except redis.RedisError as exc:
+            log.error("cannot reach Redis to queue a request: %s", exc)
+            return _unavailable()
+        if ticket.rejected:
+            return Failure(
+                Problem.OVERLOADED,
+                f"overloaded: predicted {ticket.predicted_ms} ms exceeds the {deadline_ms} ms "
+                "deadline",
+                max(1, math.ceil(ticket.predicted_ms / 1000)),
+            )
+        if ticket.opened and not _dispatch(process, ticket.batch_id):
+            return _unavailable()
+        tickets.append(ticket)
+
+    answers = []
+    batches: dict[str, list[list[Any]]] = {}  # several items may share a batch
+    for ticket in tickets:
+        try:
+            results = batches.get(ticket.batch_id)
+            if results is None:
+                results = batches[ticket.batch_id] = celery_app.AsyncResult(ticket.batch_id).get(
+                    timeout=max(0.0, deadline - time.monotonic())
+                )
+            answer = results[ticket.index]
+        except CeleryTimeoutError:
+            return Failure(Problem.DEADLINE, f"no completion within the {deadline_ms} ms deadline")
+        except redis.RedisError as exc:  # the batch's Redis node went down while it waited
+            log.error("batch %s: its results cannot arrive: %s", ticket.batch_id, exc)
+            return _unavailable()
+        except Exception as exc:  # noqa: BLE001 - whatever broke the batch: a 502
+            log.error("batch %s failed: %s", ticket.batch_id, exc)
+            return Failure(Problem.SAMPLER_FAILED, "the sampler failed for this batch")
+        failure = _failure_of(answer, deadline_ms)
+        if failure is not None:
+            return failure
+        answers.append(answer)
+    return answers
+
+
+def _failure_of(answer: list[Any], deadline_ms: int) -> Failure | None:
+    outcome, text = answer[0], answer[1]
+    if outcome == ItemOutcome.OK:
+        return None
+    if outcome == ItemOutcome.EXPIRED:
+        return Failure(
+            Problem.DEADLINE, f"no completion within the {deadline_ms} ms deadline ({text})"
+        )
+    if outcome == ItemOutcome.PROMPT_REJECTED:
+        return Failure(Problem.PROMPT_REJECTED, f"prompt rejected by the model: {text}")
+    if outcome == ItemOutcome.NOT_DISPATCHED:
+        return _unavailable()
+    return Failure(Problem.SAMPLER_FAILED, str(text))
+
+
+def _dispatch(process: WebProcess, batch_id: str) -> bool:
+    """Send the batch's task (task id = batch id, by name: no import of the worker's code).
+    When it cannot be sent, close the batch so that no later request joins it, and answer
+    the members that joined already at once rather than at their deadline."""
+    aggregator = process.aggregator
+    try:
+        celery_app.send_task(
+            RUN_BATCH_TASK,
+            args=(batch_id, aggregator.queue),
+            task_id=batch_id,
+            queue=aggregator.queue,
+            retry_policy=PUBLISH_RETRY,
+        )
+    except Exception as exc:  # noqa: BLE001 - kombu raises OperationalError, OSError and more
+        log.error("cannot dispatch batch %s: %s", batch_id, exc)
+        _abandon(process, batch_id)
+        return False
+    try:
+        aggregator.dispatched(batch_id)
+    except redis.RedisError as exc:
+        # Harmless: a later request sends the task again, and the duplicate answers nothing.
+        log.warning("batch %s dispatched but not confirmed: %s", batch_id, exc)
+    return True
+
+
+def _abandon(process: WebProcess, batch_id: str) -> None:
+    try:
+        members = process.aggregator.abandon(batch_id)
+        answers = [[ItemOutcome.NOT_DISPATCHED, QUEUE_UNAVAILABLE] for _ in range(members)]
+        # Stored and published as the task would have: every member's wait wakes now.
+        backend = celery_app.backend
+        assert isinstance(backend, RedisBackend)  # CELERY_RESULT_BACKEND is ours
+        with process.client.pipeline(transaction=False) as pipe:
+            queue_result(pipe, backend, batch_id, answers)
+            pipe.execute()
+    except Exception as exc:  # noqa: BLE001 - Redis down too: the members time out instead
+        log.error("batch %s abandoned, its members not answered: %s", batch_id, exc)

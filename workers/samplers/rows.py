@@ -1,0 +1,127 @@
+"""Per-row settings inside one `generate` call: how each row samples and where it ends.
+
+One call serves up to 100 requests, each with its own temperature, top-p, seed, max tokens and
+stop strings. Hugging Face's `generate` applies one setting to the whole batch, so the call
+runs greedy (argmax) and these two hooks make it row by row:
+
+- `RowSampling` (a logits processor) leaves a greedy row's scores alone, so it stays exactly
+  greedy, and turns a sampled row's scores into a draw by the Gumbel-max trick: the argmax of
+  log p - log E, with E exponential noise, is a sample from p. The noise comes from the row's
+  own generator (seeded by the request's seed), so a seeded row gets the same tokens whatever
+  else shares its batch. Temperature and top-p are applied per row before the draw.
+- `RowEnds` (a stopping criterion) ends each row at its own max tokens, at an end-of-sequence
+  token, or once its text contains one of its stop strings, and remembers which and when:
+  the sampler keeps only the row's tokens up to its end.
+
+Imported by the Hugging Face sampler only (it needs torch).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor, StoppingCriteria
+
+from batching.generation import FinishReason, RowSettings
+
+# Tokens decoded beyond a stop string's length when looking for it: a token may decode to
+# part of a character, or to nothing (a special token).
+STOP_WINDOW_SLACK = 4
+
+
+class RowSampling(LogitsProcessor):
+    def __init__(self, settings: list[RowSettings], device: str) -> None:
+        self.rows = [index for index, row in enumerate(settings) if not row.greedy]
+        if not self.rows:
+            return
+        sampled = [settings[index] for index in self.rows]
+        self.index = torch.tensor(self.rows, device=device)
+        self.temperatures = torch.tensor(
+            [[row.temperature] for row in sampled], dtype=torch.float32, device=device
+        )
+        self.top_p = torch.tensor([[row.top_p] for row in sampled], device=device)
+        self.nucleus = any(row.top_p < 1 for row in sampled)
+        self.generators = []
+        for row in sampled:
+            generator = torch.Generator(device=device)
+            # A request without a seed gets a fresh stream; torch takes any signed 64-bit seed.
+            generator.manual_seed(row.seed if row.seed is not None else secrets.randbits(63))
+            self.generators.append(generator)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> Any:
+        if not self.rows:
+            return scores
+        logits = scores[self.index] / self.temperatures
+        if self.nucleus:
+            # Keep the smallest set of most likely tokens whose mass reaches top-p (at least
+            # the most likely one).
+            ordered, order = logits.sort(dim=-1, descending=True)
+            probs = ordered.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            # Rows at top-p 1 keep every token (a cumulative sum can round above 1).
+            cut = (mass_before > self.top_p) & (self.top_p < 1)
+            ordered = ordered.masked_fill(cut, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+        noise = torch.stack(
+            [
+                torch.empty(logits.shape[-1], device=logits.device).exponential_(generator=g)
+                for g in self.generators
+            ]
+        )
+        drawn = scores.clone()
+        drawn[self.index] = logits - noise.log()
+        return drawn
+
+
+class RowEnds(StoppingCriteria):
+    def __init__(
+        self,
+        settings: list[RowSettings],
+        prompt_length: int,
+        tokenizer: Any,
+        eos_ids: frozenset[int],
+    ) -> None:
+        self.settings = settings
+        self.prompt_length = prompt_length
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        # Per row, once ended: (tokens kept, why).
+        self.ended: list[tuple[int, FinishReason] | None] = [None] * len(settings)
+        longest_stop = max((len(stop) for row in settings for stop in row.stop), default=0)
+        self.stop_window = longest_stop + STOP_WINDOW_SLACK if longest_stop else 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> Any:
+        generated = input_ids.shape[1] - self.prompt_length
+        # One copy to the host a step: the last token of every row, and the newest tokens of
+        # the rows that look for stop strings (a stop completed by this step's token spans
+        # at most its length in tokens, a few more for tokens that decode to partial text).
+        window = min(generated, self.stop_window)
+        recent = input_ids[:, input_ids.shape[1] - window :].tolist() if window else None
+        last = input_ids[:, -1].tolist()
+        for row, settings in enumerate(self.settings):
+            if self.ended[row] is not None:
+                continue
+            if last[row] in self.eos_ids:
+                self.ended[row] = (generated - 1, FinishReason.STOP)
+            elif settings.stop and recent is not None and self._has_stop(recent[row], settings):
+                self.ended[row] = (generated, FinishReason.STOP)
+            elif generated >= settings.max_tokens:
+                self.ended[row] = (generated, FinishReason.LENGTH)
+        return torch.tensor(
+            [end is not None for end in self.ended], dtype=torch.bool, device=input_ids.device
+        )
+
+    def _has_stop(self, recent: list[int], settings: RowSettings) -> bool:
+        text = self.tokenizer.decode(recent, skip_special_tokens=True)
+        return any(stop in text for stop in settings.stop)
+
+    def kept(self, row: int, new_tokens: list[int]) -> tuple[list[int], FinishReason]:
+        """The row's own tokens of the call's new tokens (padding and the end-of-sequence token
+        left out), and why it ended."""
+        end = self.ended[row]
+        if end is None:  # the call ended first: the row reached the call's max new tokens
+            limit = self.settings[row].max_tokens
+            return new_tokens[:limit], FinishReason.LENGTH
+        return new_tokens[: end[0]], end[1]
