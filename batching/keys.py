@@ -79,6 +79,35 @@ class QueueKeys:
 
 
 @dataclass(frozen=True)
+class AccessKeys:
+    """The deployment's API keys, as the web processes read them (one set for every queue,
+    under one hash tag: they are read off the request path, by a poller). `scope` is for
+    tests that must not touch a running deployment's keys."""
+
+    scope: str = "access"
+
+    @cached_property
+    def prefix(self) -> str:
+        return f"sampling:{{{self.scope}}}"
+
+    @cached_property
+    def records(self) -> str:
+        """A hash: a key's SHA-256 (hex) -> its record (JSON: id, name, tier, limits...)."""
+        return f"{self.prefix}:keys"
+
+    @cached_property
+    def version(self) -> str:
+        """A counter raised by every change to `records`: a process reads this one value
+        twice a second, and the whole hash only when it moved."""
+        return f"{self.prefix}:version"
+
+    @cached_property
+    def last_used(self) -> str:
+        """A hash: a key's id -> when a web process last saw it (epoch seconds)."""
+        return f"{self.prefix}:last-used"
+
+
+@dataclass(frozen=True)
 class ShardKeys:
     """The keys of one shard of a queue's request path, all under the hash tag `{tag}`; and
     its batches' ids, which carry the tag too (`{tag}<hex>`), so that a batch's result key

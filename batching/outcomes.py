@@ -3,7 +3,7 @@
 Two levels, two enums, no shared word:
 - ItemOutcome: what the worker did with one item of a batch. A batch's result is a list
   aligned with its items, each entry [ItemOutcome, text].
-- RequestOutcome: what a request to /sample got. Its values are the `outcome` label of
+- RequestOutcome: what a request (to /sample or the API) got. Its values are the `outcome` label of
   `sampling_requests_total` and the `req:<outcome>` statistics counters: they are stable.
 """
 
@@ -25,4 +25,5 @@ class RequestOutcome(StrEnum):
     TIMEOUT = "timeout"  # 504: no completion within the deadline
     REJECTED = "rejected"  # 503 + Retry-After: turned away by admission control (overloaded)
     BAD_REQUEST = "bad_request"  # 4xx: the request or its prompt was refused
+    UNAUTHORIZED = "unauthorized"  # 401: no valid API key (missing, unknown, revoked, expired)
     ERROR = "error"  # 502 (the sampler failed) or 503 (Redis or the broker unreachable)

@@ -173,7 +173,10 @@ class Summary:
         """Requests/s that asked for a completion: all but those refused as bad requests."""
         if not self.seconds:
             return 0.0
-        return (self.requests() - self.requests(RequestOutcome.BAD_REQUEST)) / self.seconds
+        refused = self.requests(RequestOutcome.BAD_REQUEST) + self.requests(
+            RequestOutcome.UNAUTHORIZED
+        )
+        return (self.requests() - refused) / self.seconds
 
     @property
     def batches(self) -> int:

@@ -130,6 +130,9 @@ SAMPLING_SHARDS = env_int("SAMPLING_SHARDS", 1, minimum=1, maximum=MAX_SHARDS)
 # The queue names the served model: web processes append to its open batch, its workers
 # consume its Celery queue, and every Redis key of the aggregator is under it.
 SAMPLING_QUEUE = env_name("SAMPLING_QUEUE", "sampling")
+# On: every request needs `Authorization: Bearer <key>` (401 without a valid one). Off (the
+# default, so that `make run`'s curl works): requests without a key get the anonymous tier.
+SAMPLING_REQUIRE_API_KEY = env_bool("SAMPLING_REQUIRE_API_KEY", False)
 
 # The policy's defaults and bounds have one home: batching.policy.
 _DEFAULT_POLICY = Policy()

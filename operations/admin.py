@@ -10,9 +10,10 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html, format_html_join
 
+from batching import access
 from batching.outcomes import RequestOutcome
 from batching.policy import POLL_INTERVAL_S
-from operations.models import PolicyChange, SamplingPolicy, StatsMinute
+from operations.models import ApiKey, PolicyChange, SamplingPolicy, StatsMinute, Tier
 
 
 @admin.register(SamplingPolicy)
@@ -64,6 +65,52 @@ class SamplingPolicyAdmin(admin.ModelAdmin[SamplingPolicy]):
                 ),
             ),
         )
+
+
+@admin.register(Tier)
+class TierAdmin(admin.ModelAdmin[Tier]):
+    list_display = ("name", "priority", "rpm", "tpm", "keys")
+
+    @admin.display(description="keys")
+    def keys(self, obj: Tier) -> int:
+        return obj.keys.count()
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
+    list_display = (
+        "name", "prefix", "owner", "tier", "rpm", "tpm", "created", "expires", "revoked",
+        "last_used",
+    )  # fmt: skip
+    list_filter = ("tier", "revoked")
+    search_fields = ("name", "owner", "prefix")
+    readonly_fields = ("prefix", "created", "last_used")
+    actions = ("revoke",)
+
+    def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
+        raw = None if obj.digest else obj.issue()
+        obj.save()
+        if raw is not None:
+            # Shown once, here: only its SHA-256 is kept.
+            self.message_user(
+                request,
+                f"API key {obj.name!r} created. Copy it now, it will not be shown again: {raw}",
+                messages.WARNING,
+            )
+        else:
+            self.message_user(
+                request,
+                f"API key {obj.name!r} saved; every web process applies it within "
+                f"{access.POLL_INTERVAL_S * 2:g} s.",
+                messages.SUCCESS,
+            )
+
+    @admin.action(description="Revoke the selected keys")
+    def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
+        for key in queryset:  # each saved, so each is published
+            key.revoked = True
+            key.save()
+        self.message_user(request, f"{len(queryset)} key(s) revoked.", messages.SUCCESS)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin[Any]):

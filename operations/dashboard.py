@@ -62,6 +62,7 @@ class Dashboard:
             ("completions/s (ok)", number(recent.rate(RequestOutcome.OK), ",.1f")),
             ("timeouts / rejected / errors", " / ".join(str(recent.requests(o)) for o in failures)),
             ("bad requests", str(recent.requests(RequestOutcome.BAD_REQUEST))),
+            ("unauthorized (401)", str(recent.requests(RequestOutcome.UNAUTHORIZED))),
             ("latency p50 / p99", f"{number(p50, ',.0f', ' ms')} / {number(p99, ',.0f', ' ms')}"),
             ("batches", f"{recent.batches:,}"),
             ("mean batch", number(recent.mean_batch(), ".1f")),
@@ -156,6 +157,7 @@ def _charts(hour: list[tuple[int, Counter[str]]], policy: Policy, now: float) ->
         RequestOutcome.TIMEOUT: charts.PALETTE["orange"],
         RequestOutcome.REJECTED: charts.PALETTE["purple"],
         RequestOutcome.BAD_REQUEST: charts.PALETTE["grey"],
+        RequestOutcome.UNAUTHORIZED: charts.PALETTE["teal"],
         RequestOutcome.ERROR: charts.PALETTE["red"],
     }
     requests = charts.line_chart(

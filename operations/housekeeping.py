@@ -3,9 +3,11 @@ sampling.runtime, registered by operations.apps).
 
 1. The policy in Redis follows the database: republished when Redis lost it (a restart) or
    missed a save (Redis was down at the time).
-2. Completed minutes of statistics go from Redis to StatsMinute rows, and rows older than
+2. The API keys and tiers in Redis follow the database the same way.
+3. Completed minutes of statistics go from Redis to StatsMinute rows, and rows older than
    SAMPLING_STATS_RETENTION_DAYS are deleted. One process at a time does it (a Redis lock),
-   and a marker in Redis says which minutes are done, so no minute is written twice.
+   and a marker in Redis says which minutes are done, so no minute is written twice. The
+   same process copies when each key was last used from Redis to its row.
 """
 
 from __future__ import annotations
@@ -20,10 +22,16 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
+from batching import access, stats
 from batching import policy as live_policy
-from batching import stats
 from batching.keys import QueueKeys
-from operations.models import SamplingPolicy, StatsMinute, default_policy
+from operations.models import (
+    ApiKey,
+    SamplingPolicy,
+    StatsMinute,
+    access_records,
+    default_policy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +44,13 @@ MAX_BACKLOG_MINUTES = stats.TTL_S[stats.TEN_SECONDS] // 60 - 5
 def run(client: redis.Redis, queue: str, current: live_policy.Policy) -> None:
     try:
         reconcile_policy(client, queue, current)
+        reconcile_access(client)
         lock = client.lock(QueueKeys(queue).housekeeping_lock, timeout=60, blocking=False)
         if lock.acquire():
             try:
                 persist_minutes(client, queue, time.time())
                 prune(queue, settings.SAMPLING_STATS_RETENTION_DAYS)
+                record_last_used(client)
             finally:
                 lock.release()
     finally:
@@ -55,6 +65,24 @@ def reconcile_policy(client: redis.Redis, queue: str, current: live_policy.Polic
     elif row is None and current != default_policy():
         log.warning("withdrawing a policy of %s that has no row", queue)
         live_policy.withdraw(client, queue)
+
+
+def reconcile_access(client: redis.Redis) -> None:
+    wanted = {name: record.to_json() for name, record in access_records().items()}
+    if access.published(client) != wanted:
+        log.warning("republishing %d API key and tier records", len(wanted))
+        access.replace_all(client, access_records())
+
+
+def record_last_used(client: redis.Redis) -> int:
+    """Copy when each key was last used from Redis to its row; returns the rows updated."""
+    updated = 0
+    for key_id, at in access.last_used(client).items():
+        moment = datetime.fromtimestamp(at, tz=UTC)
+        updated += (
+            ApiKey.objects.filter(pk=key_id).exclude(last_used__gte=moment).update(last_used=moment)
+        )
+    return updated
 
 
 def persist_minutes(client: redis.Redis, queue: str, now_s: float) -> int:

@@ -1,9 +1,11 @@
-"""Operators' data: the sampling policy of each queue, its audit log, per-minute statistics.
+"""Operators' data: the sampling policy of each queue, its audit log, per-minute statistics,
+API keys and their tiers.
 
 None of these is read on the request path. A saved policy is published to Redis (see
 batching/policy.py), from where every web process and worker picks it up within a second;
 per-minute statistics are written by one web process at a time, off the request path (see
-operations/housekeeping.py).
+operations/housekeeping.py). Keys and tiers are published to Redis the same way as the policy
+(batching/access.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, transaction
 from django.db.models import Max
 
+from batching import access
 from batching import policy as live_policy
 from batching.policy import MAX_BATCH_SIZE
 from batching.stats import Summary
@@ -254,3 +257,128 @@ class StatsMinute(models.Model):
     @property
     def summary(self) -> Summary:
         return Summary(Counter(self.counts), 60.0)
+
+
+# --- who may sample ------------------------------------------------------------------------
+
+_LIMIT_HELP = "0: no limit."
+
+
+class Tier(models.Model):
+    """A class of customers: its priority (a free GPU serves the highest waiting tier first)
+    and the default limits of its keys. Requests without a key, while keys are not required,
+    get the tier named "anonymous"."""
+
+    name = models.SlugField(max_length=32, unique=True)
+    priority = models.PositiveSmallIntegerField(
+        default=0, help_text="Higher goes first; requests of one priority share batches."
+    )
+    rpm = models.PositiveIntegerField(
+        "requests per minute", default=0, help_text=f"Per key, unless the key says. {_LIMIT_HELP}"
+    )
+    tpm = models.PositiveIntegerField(
+        "completion tokens per minute",
+        default=0,
+        help_text=f"Per key, unless the key says. {_LIMIT_HELP}",
+    )
+
+    class Meta:
+        ordering = ["-priority", "name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        with transaction.atomic():
+            super().save(*args, **kwargs)
+            transaction.on_commit(publish_access)
+
+    def delete(self, *args: Any, **kwargs: Any) -> Any:
+        with transaction.atomic():
+            result = super().delete(*args, **kwargs)
+            transaction.on_commit(publish_access)
+        return result
+
+    def as_caller(self) -> access.Caller:
+        return access.Caller(0, self.name, self.name, self.priority, self.rpm, self.tpm)
+
+
+class ApiKey(models.Model):
+    """A client's key. The key itself is shown once, when it is created; only its SHA-256 and
+    its first characters are kept."""
+
+    name = models.CharField(max_length=100)
+    owner = models.CharField(max_length=150, blank=True)
+    tier = models.ForeignKey(Tier, on_delete=models.PROTECT, related_name="keys")
+    rpm = models.PositiveIntegerField(
+        "requests per minute", null=True, blank=True, help_text="Empty: the tier's."
+    )
+    tpm = models.PositiveIntegerField(
+        "completion tokens per minute", null=True, blank=True, help_text="Empty: the tier's."
+    )
+    prefix = models.CharField(max_length=16, editable=False)
+    digest = models.CharField("SHA-256", max_length=64, unique=True, editable=False)
+    created = models.DateTimeField(auto_now_add=True)
+    expires = models.DateTimeField(null=True, blank=True, help_text="Empty: never.")
+    revoked = models.BooleanField(
+        default=False, help_text="A revoked key gets 401 everywhere within a second or two."
+    )
+    last_used = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["-created"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}...)"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.digest:
+            raise ValueError("an API key is saved after issue()")
+        with transaction.atomic():
+            super().save(*args, **kwargs)
+            transaction.on_commit(publish_access)
+
+    def delete(self, *args: Any, **kwargs: Any) -> Any:
+        with transaction.atomic():
+            result = super().delete(*args, **kwargs)
+            transaction.on_commit(publish_access)
+        return result
+
+    def issue(self) -> str:
+        """Give an unsaved key its secret; returns the key, which is not stored."""
+        raw = access.new_key()
+        self.digest, self.prefix = access.digest_of(raw), access.visible_prefix(raw)
+        return raw
+
+    def as_record(self) -> access.KeyRecord:
+        caller = access.Caller(
+            self.pk,
+            self.name,
+            self.tier.name,
+            self.tier.priority,
+            self.tier.rpm if self.rpm is None else self.rpm,
+            self.tier.tpm if self.tpm is None else self.tpm,
+        )
+        expires_at = self.expires.timestamp() if self.expires else None
+        return access.KeyRecord(caller, expires_at, self.revoked)
+
+
+def access_records() -> dict[str, access.KeyRecord | access.Caller]:
+    """What the database says every web process must know: each key's record, each tier."""
+    records: dict[str, access.KeyRecord | access.Caller] = {
+        key.digest: key.as_record() for key in ApiKey.objects.select_related("tier")
+    }
+    for tier in Tier.objects.all():
+        records[access.tier_field(tier.name)] = tier.as_caller()
+    return records
+
+
+def publish_access() -> None:
+    """Publish every key and tier (a few thousand records at most: one HSET), replacing what
+    Redis had; the web processes apply it within access.POLL_INTERVAL_S."""
+    try:
+        access.replace_all(redis_client(), access_records())
+    except redis.RedisError as exc:
+        # Saved all the same: housekeeping republishes what differs once Redis answers.
+        log.error("API keys saved but not yet published: %s", exc)

@@ -26,6 +26,7 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ValidationError
 
+from batching.access import Caller
 from batching.aggregator import HEARTBEAT_TIMEOUT_MS
 from batching.generation import SEED_RANGE, SampleRequest
 from batching.outcomes import RequestOutcome
@@ -33,7 +34,7 @@ from batching.policy import MAX_BATCH_SIZE, Policy
 from sampling import schemas
 from sampling.openapi import openapi_document
 from sampling.runtime import WebProcess, web_process
-from sampling.submission import Failure, Problem, counted, submit
+from sampling.submission import Failure, Problem, answer_failure, authenticate, counted, submit
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ OPENAI_ERRORS = {
     Problem.DEADLINE: ("timeout_error", "deadline_exceeded"),
     Problem.PROMPT_REJECTED: ("invalid_request_error", "prompt_rejected"),
     Problem.SAMPLER_FAILED: ("server_error", "sampler_failed"),
+    Problem.UNAUTHORIZED: ("invalid_request_error", "invalid_api_key"),
 }
 # Problem -> /api/inference's error name.
 INFERENCE_ERRORS = {
@@ -59,6 +61,7 @@ INFERENCE_ERRORS = {
     Problem.DEADLINE: "DEADLINE_EXCEEDED",
     Problem.PROMPT_REJECTED: "INVALID_REQUEST",
     Problem.SAMPLER_FAILED: "SAMPLER_FAILED",
+    Problem.UNAUTHORIZED: "UNAUTHORIZED",
 }
 
 
@@ -97,8 +100,7 @@ def _openai_error(
 
 def _failure_response(failure: Failure) -> HttpResponse:
     error_type, code = OPENAI_ERRORS[failure.problem]
-    headers = {"Retry-After": str(failure.retry_after_s)} if failure.retry_after_s else None
-    return _openai_error(failure.status, failure.message, error_type, None, code, headers)
+    return _openai_error(failure.status, failure.message, error_type, None, code)
 
 
 def _invalid_response(invalid: Invalid) -> HttpResponse:
@@ -236,7 +238,7 @@ def _requests(
 
 
 def _completions(
-    request: HttpRequest, process: WebProcess, arrival: float
+    request: HttpRequest, process: WebProcess, arrival: float, caller: Caller
 ) -> tuple[RequestOutcome, HttpResponse]:
     policy = process.watcher.current
     try:
@@ -254,7 +256,7 @@ def _completions(
 
 
 def _chat_completions(
-    request: HttpRequest, process: WebProcess, arrival: float
+    request: HttpRequest, process: WebProcess, arrival: float, caller: Caller
 ) -> tuple[RequestOutcome, HttpResponse]:
     policy = process.watcher.current
     try:
@@ -283,7 +285,7 @@ def _generate(
     """A validated request's items through the batches, and its answer (or error)."""
     answers = submit(process, items, arrival + policy.deadline_ms / 1000, policy.deadline_ms)
     if isinstance(answers, Failure):
-        return answers.outcome, _failure_response(answers)
+        return answers.outcome, answer_failure(_failure_response, answers)
     texts = [answer[1] for answer in answers]
     if echoed is not None:  # `echo`: each choice after its prompt
         texts = [echoed[index // parsed.n] + text for index, text in enumerate(texts)]
@@ -387,8 +389,8 @@ def _stream(
     return response
 
 
-completions = counted(_completions)
-chat_completions = counted(_chat_completions)
+completions = counted(_completions, _failure_response)
+chat_completions = counted(_chat_completions, _failure_response)
 
 
 def _live_models(process: WebProcess) -> dict[str, Any]:
@@ -415,11 +417,15 @@ def _live_models(process: WebProcess) -> dict[str, Any]:
 
 @csrf_exempt  # a POST gets a 405, not the CSRF page
 def models(request: HttpRequest) -> HttpResponse:
+    process = web_process()
     try:
         _body_free(request)
     except Invalid as invalid:
         return _invalid_response(invalid)
-    return _json(200, {"object": "list", "data": [_live_models(web_process())]})
+    caller = authenticate(request, process)
+    if isinstance(caller, Failure):
+        return answer_failure(_failure_response, caller)
+    return _json(200, {"object": "list", "data": [_live_models(process)]})
 
 
 @csrf_exempt
@@ -427,6 +433,12 @@ def model(request: HttpRequest, model_id: str) -> HttpResponse:
     process = web_process()
     try:
         _body_free(request)
+    except Invalid as invalid:
+        return _invalid_response(invalid)
+    caller = authenticate(request, process)
+    if isinstance(caller, Failure):
+        return answer_failure(_failure_response, caller)
+    try:
         _check_model(model_id, process)
     except Invalid as invalid:
         return _invalid_response(invalid)
@@ -464,7 +476,7 @@ def _openapi_json() -> str:
 
 
 def _inference(
-    request: HttpRequest, process: WebProcess, arrival: float
+    request: HttpRequest, process: WebProcess, arrival: float, caller: Caller
 ) -> tuple[RequestOutcome, HttpResponse]:
     policy = process.watcher.current
     request_id = uuid.uuid4().hex
@@ -478,17 +490,20 @@ def _inference(
         return RequestOutcome.BAD_REQUEST, _json(400, error)
     answers = submit(process, [parsed.input], arrival + policy.deadline_ms / 1000,
                      policy.deadline_ms)  # fmt: skip
-    headers = {"X-Request-ID": request_id}
     if isinstance(answers, Failure):
-        body: dict[str, Any] = {"error": INFERENCE_ERRORS[answers.problem],
-                                "message": answers.message}  # fmt: skip
-        if answers.retry_after_s:
-            body["retry_after_ms"] = answers.retry_after_s * 1000
-            headers["Retry-After"] = str(answers.retry_after_s)
-        return answers.outcome, _json(answers.status, body, headers)
+        response = answer_failure(_inference_failure, answers)
+        response["X-Request-ID"] = request_id
+        return answers.outcome, response
     latency_ms = round((time.monotonic() - arrival) * 1000, 2)
     output = {"output": answers[0][1], "request_id": request_id, "latency_ms": latency_ms}
-    return RequestOutcome.OK, _json(200, output, headers)
+    return RequestOutcome.OK, _json(200, output, {"X-Request-ID": request_id})
 
 
-inference = counted(_inference)
+def _inference_failure(failure: Failure) -> HttpResponse:
+    body: dict[str, Any] = {"error": INFERENCE_ERRORS[failure.problem], "message": failure.message}
+    if failure.retry_after_s:
+        body["retry_after_ms"] = failure.retry_after_s * 1000
+    return _json(failure.status, body)
+
+
+inference = counted(_inference, _inference_failure)

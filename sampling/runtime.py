@@ -1,4 +1,5 @@
-"""The per-process runtime of a web process: Redis client, aggregator, live policy, statistics.
+"""The per-process runtime of a web process: Redis client, aggregator, live policy, API keys,
+statistics.
 
 Built lazily after gunicorn forks (and after gevent patches sockets), once per process.
 The pool is bounded: thousands of waiting requests share a few dozen connections, since a
@@ -19,6 +20,7 @@ import redis
 from django.conf import settings
 
 from batching import topology
+from batching.access import AccessWatcher
 from batching.aggregator import BatchAggregator
 from batching.policy import Policy, PolicyWatcher, policy_from_settings
 from batching.stats import RequestStats
@@ -72,17 +74,20 @@ def redis_client() -> redis.Redis:
 
 @dataclass
 class WebProcess:
-    """What the request path of this process uses: the aggregator, the live policy and the
-    statistics buffer, kept up to date by two background threads (greenlets under gevent):
-    the policy watcher, and a loop that flushes statistics and runs the background jobs."""
+    """What the request path of this process uses: the aggregator, the live policy, the API
+    keys and the statistics buffer, kept up to date by three background threads (greenlets
+    under gevent): the policy and key watchers, and a loop that flushes statistics (and the
+    keys' last use) and runs the background jobs."""
 
     client: redis.Redis
     aggregator: BatchAggregator
     watcher: PolicyWatcher
     stats: RequestStats
+    access: AccessWatcher
 
     def start(self) -> None:
         self.watcher.start()
+        self.access.start()
         threading.Thread(target=self._background, name="stats-flush", daemon=True).start()
 
     def _background(self) -> None:
@@ -94,6 +99,10 @@ class WebProcess:
                 self.stats.flush(self.client)
             except redis.RedisError as exc:
                 log.warning("statistics not flushed (kept for the next try): %s", exc)
+            try:
+                self.access.flush_last_used()
+            except redis.RedisError as exc:
+                log.warning("keys' last use not flushed (kept for the next try): %s", exc)
             if time.monotonic() >= next_jobs:
                 next_jobs = time.monotonic() + BACKGROUND_JOB_INTERVAL_S
                 for job in _background_jobs:
@@ -122,7 +131,9 @@ def web_process() -> WebProcess:
                 max_batch_size=p.max_batch_size, deadline_ms=p.deadline_ms
             )
         )
-        found = _web[pid] = WebProcess(client, aggregator, watcher, RequestStats(aggregator.queue))
+        found = _web[pid] = WebProcess(
+            client, aggregator, watcher, RequestStats(aggregator.queue), AccessWatcher(client)
+        )
         found.start()
     return found
 

@@ -22,9 +22,11 @@ from typing import Any
 import redis
 from celery.backends.redis import RedisBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from batching.access import Caller
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome, RequestOutcome
 from batching.protocol import RUN_BATCH_TASK
@@ -49,6 +51,7 @@ class Problem(StrEnum):
     DEADLINE = "deadline"  # 504: no completion within the deadline
     PROMPT_REJECTED = "prompt_rejected"  # 400: the model refused the prompt (too long...)
     SAMPLER_FAILED = "sampler_failed"  # 502: the sampler failed for the batch
+    UNAUTHORIZED = "unauthorized"  # 401: no valid API key
 
 
 STATUS = {
@@ -57,6 +60,7 @@ STATUS = {
     Problem.DEADLINE: 504,
     Problem.PROMPT_REJECTED: 400,
     Problem.SAMPLER_FAILED: 502,
+    Problem.UNAUTHORIZED: 401,
 }
 OUTCOME = {
     Problem.OVERLOADED: RequestOutcome.REJECTED,
@@ -64,6 +68,7 @@ OUTCOME = {
     Problem.DEADLINE: RequestOutcome.TIMEOUT,
     Problem.PROMPT_REJECTED: RequestOutcome.BAD_REQUEST,
     Problem.SAMPLER_FAILED: RequestOutcome.ERROR,
+    Problem.UNAUTHORIZED: RequestOutcome.UNAUTHORIZED,
 }
 
 
@@ -82,19 +87,49 @@ class Failure:
         return OUTCOME[self.problem]
 
 
-Handler = Callable[[HttpRequest, WebProcess, float], tuple[RequestOutcome, HttpResponse]]
+Handler = Callable[[HttpRequest, WebProcess, float, Caller], tuple[RequestOutcome, HttpResponse]]
+Words = Callable[[Failure], HttpResponse]  # how an endpoint says a Failure
 
 
-def counted(handle: Handler) -> Callable[[HttpRequest], HttpResponse]:
-    """A view around `handle(request, process, arrival)`: every endpoint's request counted in
-    memory (statistics flushed to Redis once a second) and in this process's Prometheus file,
-    with no round trip on the request path. CSRF does not apply to the API (no cookies)."""
+def authenticate(request: HttpRequest, process: WebProcess) -> Caller | Failure:
+    """The request's caller, from its Authorization header and this process's copy of the
+    keys (no Redis call): a 401 Failure for a missing key (when SAMPLING_REQUIRE_API_KEY is
+    on), a malformed header, or an unknown, revoked or expired key; anonymous otherwise."""
+    found = process.access.identify(
+        request.META.get("HTTP_AUTHORIZATION"), settings.SAMPLING_REQUIRE_API_KEY
+    )
+    if isinstance(found, Caller):
+        return found
+    if found is None:  # the keys were never read: Redis away since this process started
+        return Failure(Problem.UNAVAILABLE, "API keys cannot be checked yet", 1)
+    return Failure(Problem.UNAUTHORIZED, str(found))
+
+
+def answer_failure(words: Words, failure: Failure) -> HttpResponse:
+    """An endpoint's wording of `failure`, with the headers its status asks for."""
+    response = words(failure)
+    if failure.retry_after_s:
+        response["Retry-After"] = str(failure.retry_after_s)
+    if failure.status == 401:
+        response["WWW-Authenticate"] = 'Bearer realm="sampling"'
+    return response
+
+
+def counted(handle: Handler, words: Words) -> Callable[[HttpRequest], HttpResponse]:
+    """A view around `handle(request, process, arrival, caller)`: the caller authenticated
+    first (a refusal worded by `words`), and every request counted in memory (statistics
+    flushed to Redis once a second) and in this process's Prometheus file, with no round trip
+    on the request path. CSRF does not apply to the API (no cookies)."""
 
     @csrf_exempt
     def view(request: HttpRequest) -> HttpResponse:
         arrival = time.monotonic()
         process = web_process()
-        outcome, response = handle(request, process, arrival)
+        caller = authenticate(request, process)
+        if isinstance(caller, Failure):
+            outcome, response = caller.outcome, answer_failure(words, caller)
+        else:
+            outcome, response = handle(request, process, arrival, caller)
         latency_s = time.monotonic() - arrival
         process.stats.record(outcome, latency_s)
         metrics.record_request(outcome, latency_s)

@@ -15,10 +15,11 @@ import redis
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from batching.access import Caller
 from batching.outcomes import RequestOutcome
 from sampling import metrics
 from sampling.runtime import WebProcess, web_process
-from sampling.submission import Failure, counted, submit
+from sampling.submission import Failure, answer_failure, counted, submit
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def _reason(status: int, reason: str, **headers: str) -> HttpResponse:
 
 
 def _sample(
-    request: HttpRequest, process: WebProcess, arrival: float
+    request: HttpRequest, process: WebProcess, arrival: float, caller: Caller
 ) -> tuple[RequestOutcome, HttpResponse]:
     if request.method != "POST":
         return RequestOutcome.BAD_REQUEST, _reason(
@@ -64,17 +65,15 @@ def _sample(
     deadline_ms = policy.deadline_ms
     answers = submit(process, [prompt], arrival + deadline_ms / 1000, deadline_ms)
     if isinstance(answers, Failure):
-        return answers.outcome, _failure(answers)
+        return answers.outcome, answer_failure(_failure, answers)
     return RequestOutcome.OK, _text(200, answers[0][1])
 
 
-sample = counted(_sample)
-
-
 def _failure(failure: Failure) -> HttpResponse:
-    if failure.retry_after_s:
-        return _reason(failure.status, failure.message, Retry_After=str(failure.retry_after_s))
     return _reason(failure.status, failure.message)
+
+
+sample = counted(_sample, _failure)
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:

@@ -1,0 +1,247 @@
+"""Who may sample: API keys and tiers as the request path sees them.
+
+Operators create keys and tiers in the admin or with `manage.py createapikey`
+(operations.models); each change is published to Redis as a record in one hash, with a version
+counter raised in the same MULTI. Every web process polls the counter twice a second and
+reads the hash again only when it moved (`AccessWatcher`), so a request checks its key in
+memory: no database, no Redis call. A new key, a revocation or a limit change reaches every
+process within POLL_INTERVAL_S plus one read.
+
+Keys are random (`new_key`), shown once, and stored only as their SHA-256 (`digest_of`) with a
+visible prefix for operators; the raw key is never logged. This module knows nothing of
+Django: it takes a redis client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
+import redis
+
+from batching.keys import AccessKeys
+
+log = logging.getLogger(__name__)
+
+KEYS = AccessKeys()
+KEY_PREFIX = "sk-"
+# What operators see of a key (its prefix, then the start of its random part).
+VISIBLE_CHARS = 11
+POLL_INTERVAL_S = 0.5
+# The tier of requests without a key, while keys are not required.
+ANONYMOUS_TIER = "anonymous"
+# The tiers a new installation starts with: name -> priority (higher goes first).
+STARTING_TIERS = {"enterprise": 30, "plus": 20, "free": 10, ANONYMOUS_TIER: 0}
+
+
+def new_key() -> str:
+    """A fresh API key: 256 random bits, URL-safe."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def digest_of(raw_key: str) -> str:
+    return hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+def visible_prefix(raw_key: str) -> str:
+    return raw_key[:VISIBLE_CHARS]
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, with what its tier and key allow (0: no limit)."""
+
+    key_id: int  # 0: anonymous
+    name: str
+    tier: str
+    priority: int
+    rpm: int = 0  # requests per minute
+    tpm: int = 0  # completion tokens per minute
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """A key as published: its caller, and what may refuse it."""
+
+    caller: Caller
+    expires_at: float | None = None  # epoch seconds
+    revoked: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {**asdict(self.caller), "expires_at": self.expires_at, "revoked": self.revoked},
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> KeyRecord:
+        data = json.loads(raw)
+        expires_at = data.pop("expires_at", None)
+        revoked = bool(data.pop("revoked", False))
+        return cls(Caller(**data), None if expires_at is None else float(expires_at), revoked)
+
+
+def anonymous_caller(priority: int = 0, rpm: int = 0, tpm: int = 0) -> Caller:
+    return Caller(0, ANONYMOUS_TIER, ANONYMOUS_TIER, priority, rpm, tpm)
+
+
+class Refusal(StrEnum):
+    """Why a request's key is refused (401), in the one line the client reads."""
+
+    MISSING = "missing API key: send Authorization: Bearer <key>"
+    MALFORMED = "malformed Authorization header: use Bearer <key>"
+    UNKNOWN = "unknown API key"
+    REVOKED = "API key revoked"
+    EXPIRED = "API key expired"
+
+
+def replace_all(
+    client: redis.Redis, records: Mapping[str, KeyRecord | Caller], keys: AccessKeys = KEYS
+) -> None:
+    """The published records become exactly `records`: every key (digest -> its record) and
+    every tier ("tier:<name>" -> the caller its anonymous requests get), in one MULTI with
+    the version's raise. A few thousand records are one HSET: every change republishes all,
+    so Redis can never keep a record the database lost."""
+    with client.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.records)
+        if records:
+            pipe.hset(keys.records, mapping={k: v.to_json() for k, v in records.items()})
+        pipe.incr(keys.version)
+        pipe.execute()
+
+
+def tier_field(tier: str) -> str:
+    return f"tier:{tier}"
+
+
+def published(client: redis.Redis, keys: AccessKeys = KEYS) -> dict[str, str]:
+    """Every published record, raw (digest or tier field -> JSON)."""
+    return {k.decode(): v.decode() for k, v in client.hgetall(keys.records).items()}
+
+
+class AccessWatcher:
+    """This process's copy of the published keys and tiers, refreshed by polling a counter;
+    `identify` checks a request's Authorization header against it, in memory."""
+
+    def __init__(
+        self, client: redis.Redis, interval_s: float = POLL_INTERVAL_S, keys: AccessKeys = KEYS
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.interval_s = interval_s
+        self.loaded = False  # False until the records were read once
+        self._version: bytes | None = None
+        self._keys: dict[str, KeyRecord] = {}
+        self._anonymous = anonymous_caller()
+        self._seen: dict[int, float] = {}  # key id -> last seen (epoch s), not yet flushed
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def anonymous(self) -> Caller:
+        return self._anonymous
+
+    def refresh(self) -> bool:
+        """Read the records again when their version moved; True when it did. Raises redis
+        errors."""
+        version = self.client.get(self.keys.version)
+        if self.loaded and version == self._version:
+            return False
+        raw = self.client.hgetall(self.keys.records)
+        keys: dict[str, KeyRecord] = {}
+        anonymous = anonymous_caller()
+        for name, value in raw.items():
+            field = name.decode()
+            try:
+                if field.startswith("tier:"):
+                    if field == tier_field(ANONYMOUS_TIER):
+                        anonymous = Caller(**json.loads(value))
+                else:
+                    keys[field] = KeyRecord.from_json(value)
+            except (ValueError, TypeError) as exc:  # one bad record must not drop the others
+                log.error("ignoring an invalid published key record: %s", exc)
+        self._keys, self._anonymous = keys, anonymous
+        self._version, self.loaded = version, True
+        return True
+
+    def identify(self, authorization: str | None, required: bool) -> Caller | Refusal | None:
+        """The caller of a request with this Authorization header; a Refusal (401); or None
+        when a key must be checked and the records were never read (Redis away since this
+        process started: a 503).
+
+        Keys not required: a request without a known key is anonymous, as vLLM does without
+        --api-key (clients such as `openai` always send some key, "EMPTY" or "not-needed"); a
+        known key gets its tier and limits, and a revoked or expired one is refused all the
+        same."""
+        if not authorization:
+            return Refusal.MISSING if required else self._anonymous
+        scheme, _, raw_key = authorization.strip().partition(" ")
+        raw_key = raw_key.strip()
+        if scheme.lower() != "bearer" or not raw_key or " " in raw_key:
+            return Refusal.MALFORMED if required else self._anonymous
+        if not self.loaded:
+            return None if required else self._anonymous
+        record = self._keys.get(digest_of(raw_key))
+        if record is None:
+            return Refusal.UNKNOWN if required else self._anonymous
+        if record.revoked:
+            return Refusal.REVOKED
+        now = time.time()
+        if record.expires_at is not None and now >= record.expires_at:
+            return Refusal.EXPIRED
+        self._seen[record.caller.key_id] = now
+        return record.caller
+
+    def flush_last_used(self) -> None:
+        """When this process last saw each key, for the admin's "last used" (once a second,
+        off the request path)."""
+        seen, self._seen = self._seen, {}
+        if seen:
+            try:
+                self.client.hset(
+                    self.keys.last_used, mapping={str(k): int(v) for k, v in seen.items()}
+                )
+            except redis.RedisError:
+                for key_id, at in seen.items():  # kept for the next try
+                    self._seen[key_id] = max(at, self._seen.get(key_id, 0.0))
+                raise
+
+    def start(self) -> AccessWatcher:
+        try:
+            self.refresh()
+        except redis.RedisError as exc:
+            log.warning("cannot read the API keys yet: %s", exc)
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="access-watcher", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        failing = False
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.refresh()
+                failing = False
+            except redis.RedisError as exc:
+                if not failing:
+                    log.warning("cannot read the API keys: %s", exc)
+                failing = True
+
+
+def last_used(client: redis.Redis, keys: AccessKeys = KEYS) -> dict[int, float]:
+    """Key id -> when a web process last saw it (epoch seconds)."""
+    return {int(k): float(v) for k, v in client.hgetall(keys.last_used).items()}

@@ -1,0 +1,98 @@
+"""API keys as a web process sees them: published records, polled, checked in memory."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from batching import access
+from batching.keys import AccessKeys
+
+
+@pytest.fixture
+def scope() -> AccessKeys:
+    return AccessKeys(f"test-{uuid.uuid4().hex[:8]}")
+
+
+def _record(key_id: int, tier: str = "plus", **kwargs: object) -> access.KeyRecord:
+    caller = access.Caller(key_id, f"key {key_id}", tier, 20, 60, 1000)
+    return access.KeyRecord(caller, **kwargs)  # type: ignore[arg-type]
+
+
+def test_keys_are_random_and_kept_as_digests() -> None:
+    first, second = access.new_key(), access.new_key()
+    assert first != second
+    assert first.startswith(access.KEY_PREFIX)
+    assert len(access.digest_of(first)) == 64
+    assert access.digest_of(first) != first
+    assert first.startswith(access.visible_prefix(first))
+    assert len(access.visible_prefix(first)) < len(first) // 3
+
+
+def test_watcher_identifies_published_keys(redis_client: redis.Redis, scope: AccessKeys) -> None:
+    good, revoked, expired = access.new_key(), access.new_key(), access.new_key()
+    records: dict[str, access.KeyRecord | access.Caller] = {
+        access.digest_of(good): _record(1),
+        access.digest_of(revoked): _record(2, revoked=True),
+        access.digest_of(expired): _record(3, expires_at=time.time() - 1),
+        access.tier_field(access.ANONYMOUS_TIER): access.anonymous_caller(priority=5, rpm=7),
+    }
+    access.replace_all(redis_client, records, scope)
+    watcher = access.AccessWatcher(redis_client, keys=scope)
+    assert watcher.refresh()
+    assert not watcher.refresh()  # nothing moved: only the version was read
+    assert watcher.identify(f"Bearer {good}", required=True) == _record(1).caller
+    assert watcher.identify(f"bearer  {good} ", required=True) is not None
+    for required in (True, False):
+        assert watcher.identify(f"Bearer {revoked}", required) == access.Refusal.REVOKED
+        assert watcher.identify(f"Bearer {expired}", required) == access.Refusal.EXPIRED
+    assert watcher.identify(None, required=True) == access.Refusal.MISSING
+    assert watcher.identify("Basic abc", required=True) == access.Refusal.MALFORMED
+    assert watcher.identify(f"Bearer {access.new_key()}", required=True) == access.Refusal.UNKNOWN
+    # Not required: no key, a foreign scheme or an unknown key is the anonymous tier's.
+    anonymous = watcher.identify(None, required=False)
+    assert anonymous == access.anonymous_caller(priority=5, rpm=7)
+    assert watcher.identify("Bearer EMPTY", required=False) == anonymous
+
+
+def test_changes_are_seen_after_the_version_moves(
+    redis_client: redis.Redis, scope: AccessKeys
+) -> None:
+    key = access.new_key()
+    access.replace_all(redis_client, {access.digest_of(key): _record(1)}, scope)
+    watcher = access.AccessWatcher(redis_client, keys=scope)
+    watcher.refresh()
+    assert isinstance(watcher.identify(f"Bearer {key}", required=True), access.Caller)
+    access.replace_all(redis_client, {access.digest_of(key): _record(1, revoked=True)}, scope)
+    assert watcher.refresh()
+    assert watcher.identify(f"Bearer {key}", required=True) == access.Refusal.REVOKED
+    access.replace_all(redis_client, {}, scope)
+    watcher.refresh()
+    assert watcher.identify(f"Bearer {key}", required=True) == access.Refusal.UNKNOWN
+
+
+def test_never_loaded_means_unavailable_only_when_a_key_must_be_checked(
+    scope: AccessKeys,
+) -> None:
+    dead = redis.Redis(port=1, socket_connect_timeout=0.2)
+    watcher = access.AccessWatcher(dead, keys=scope)
+    with pytest.raises(redis.RedisError):
+        watcher.refresh()
+    assert watcher.identify(f"Bearer {access.new_key()}", required=True) is None
+    assert watcher.identify(None, required=False) == access.anonymous_caller()
+
+
+def test_last_use_is_flushed_by_key_id(redis_client: redis.Redis, scope: AccessKeys) -> None:
+    key = access.new_key()
+    access.replace_all(redis_client, {access.digest_of(key): _record(42)}, scope)
+    watcher = access.AccessWatcher(redis_client, keys=scope)
+    watcher.refresh()
+    before = time.time()
+    watcher.identify(f"Bearer {key}", required=True)
+    watcher.flush_last_used()
+    seen = access.last_used(redis_client, scope)
+    assert set(seen) == {42}
+    assert seen[42] >= int(before)
