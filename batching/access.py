@@ -20,7 +20,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
@@ -106,18 +106,35 @@ class Refusal(StrEnum):
 
 
 def replace_all(
-    client: redis.Redis, records: Mapping[str, KeyRecord | Caller], keys: AccessKeys = KEYS
-) -> None:
-    """The published records become exactly `records`: every key (digest -> its record) and
-    every tier ("tier:<name>" -> the caller its anonymous requests get), in one MULTI with
-    the version's raise. A few thousand records are one HSET: every change republishes all,
-    so Redis can never keep a record the database lost."""
+    client: redis.Redis,
+    records: Callable[[], Mapping[str, KeyRecord | Caller]],
+    keys: AccessKeys = KEYS,
+    attempts: int = 5,
+) -> bool:
+    """The published records become exactly `records()`: every key (digest -> its record)
+    and every tier ("tier:<name>" -> the caller its anonymous requests get), in one MULTI
+    with the version's raise. A few thousand records are one HSET, so every change
+    republishes all, and Redis can never keep a record the database lost.
+
+    `records()` reads the database after the version is watched: two publishers racing
+    (two saves, or a save and housekeeping) cannot leave the older snapshot published, since
+    the later EXEC fails when the version moved, and that publisher reads again. False when
+    the version kept moving for `attempts` tries (the others published a newer snapshot)."""
     with client.pipeline(transaction=True) as pipe:
-        pipe.delete(keys.records)
-        if records:
-            pipe.hset(keys.records, mapping={k: v.to_json() for k, v in records.items()})
-        pipe.incr(keys.version)
-        pipe.execute()
+        for _ in range(attempts):
+            try:
+                pipe.watch(keys.version)
+                snapshot = records()
+                pipe.multi()
+                pipe.delete(keys.records)
+                if snapshot:
+                    pipe.hset(keys.records, mapping={k: v.to_json() for k, v in snapshot.items()})
+                pipe.incr(keys.version)
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                continue
+    return False
 
 
 def tier_field(tier: str) -> str:

@@ -68,10 +68,13 @@ def reconcile_policy(client: redis.Redis, queue: str, current: live_policy.Polic
 
 
 def reconcile_access(client: redis.Redis) -> None:
+    """Republish when Redis differs from the database (read after Redis: a save between the
+    two reads is in the database's snapshot, and replace_all rereads it if one publishes)."""
+    published = access.published(client)
     wanted = {name: record.to_json() for name, record in access_records().items()}
-    if access.published(client) != wanted:
+    if published != wanted:
         log.warning("republishing %d API key and tier records", len(wanted))
-        access.replace_all(client, access_records())
+        access.replace_all(client, access_records)
 
 
 def record_last_used(client: redis.Redis) -> int:

@@ -378,7 +378,7 @@ def publish_access() -> None:
     """Publish every key and tier (a few thousand records at most: one HSET), replacing what
     Redis had; the web processes apply it within access.POLL_INTERVAL_S."""
     try:
-        access.replace_all(redis_client(), access_records())
+        access.replace_all(redis_client(), access_records)
     except redis.RedisError as exc:
         # Saved all the same: housekeeping republishes what differs once Redis answers.
         log.error("API keys saved but not yet published: %s", exc)

@@ -40,7 +40,7 @@ def test_watcher_identifies_published_keys(redis_client: redis.Redis, scope: Acc
         access.digest_of(expired): _record(3, expires_at=time.time() - 1),
         access.tier_field(access.ANONYMOUS_TIER): access.anonymous_caller(priority=5, rpm=7),
     }
-    access.replace_all(redis_client, records, scope)
+    access.replace_all(redis_client, lambda: records, scope)
     watcher = access.AccessWatcher(redis_client, keys=scope)
     assert watcher.refresh()
     assert not watcher.refresh()  # nothing moved: only the version was read
@@ -62,14 +62,16 @@ def test_changes_are_seen_after_the_version_moves(
     redis_client: redis.Redis, scope: AccessKeys
 ) -> None:
     key = access.new_key()
-    access.replace_all(redis_client, {access.digest_of(key): _record(1)}, scope)
+    access.replace_all(redis_client, lambda: {access.digest_of(key): _record(1)}, scope)
     watcher = access.AccessWatcher(redis_client, keys=scope)
     watcher.refresh()
     assert isinstance(watcher.identify(f"Bearer {key}", required=True), access.Caller)
-    access.replace_all(redis_client, {access.digest_of(key): _record(1, revoked=True)}, scope)
+    access.replace_all(
+        redis_client, lambda: {access.digest_of(key): _record(1, revoked=True)}, scope
+    )
     assert watcher.refresh()
     assert watcher.identify(f"Bearer {key}", required=True) == access.Refusal.REVOKED
-    access.replace_all(redis_client, {}, scope)
+    access.replace_all(redis_client, dict, scope)
     watcher.refresh()
     assert watcher.identify(f"Bearer {key}", required=True) == access.Refusal.UNKNOWN
 
@@ -87,7 +89,7 @@ def test_never_loaded_means_unavailable_only_when_a_key_must_be_checked(
 
 def test_last_use_is_flushed_by_key_id(redis_client: redis.Redis, scope: AccessKeys) -> None:
     key = access.new_key()
-    access.replace_all(redis_client, {access.digest_of(key): _record(42)}, scope)
+    access.replace_all(redis_client, lambda: {access.digest_of(key): _record(42)}, scope)
     watcher = access.AccessWatcher(redis_client, keys=scope)
     watcher.refresh()
     before = time.time()
@@ -96,3 +98,25 @@ def test_last_use_is_flushed_by_key_id(redis_client: redis.Redis, scope: AccessK
     seen = access.last_used(redis_client, scope)
     assert set(seen) == {42}
     assert seen[42] >= int(before)
+
+
+def test_a_publisher_with_a_stale_snapshot_reads_again(
+    redis_client: redis.Redis, scope: AccessKeys
+) -> None:
+    """Two saves racing: the one whose snapshot predates the other's publish reads again."""
+    first, second = access.new_key(), access.new_key()
+    database = {access.digest_of(first): _record(1)}
+    reads = 0
+
+    def snapshot() -> dict[str, access.KeyRecord | access.Caller]:
+        nonlocal reads
+        reads += 1
+        taken: dict[str, access.KeyRecord | access.Caller] = dict(database)
+        if reads == 1:  # another save commits and publishes while this one is between steps
+            database[access.digest_of(second)] = _record(2)
+            assert access.replace_all(redis_client, lambda: dict(database), scope)
+        return taken
+
+    assert access.replace_all(redis_client, snapshot, scope)
+    assert reads == 2
+    assert set(access.published(redis_client, scope)) == set(database)
