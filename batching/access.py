@@ -161,6 +161,9 @@ class AccessWatcher:
         self._keys: dict[str, KeyRecord] = {}
         self._anonymous = anonymous_caller()
         self._seen: dict[int, float] = {}  # key id -> last seen (epoch s), not yet flushed
+        # Some key or tier limits completion tokens: the token charges are read each poll.
+        self.limits_tokens = False
+        self._after_poll: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -188,8 +191,13 @@ class AccessWatcher:
             except (ValueError, TypeError) as exc:  # one bad record must not drop the others
                 log.error("ignoring an invalid published key record: %s", exc)
         self._keys, self._anonymous = keys, anonymous
+        self.limits_tokens = bool(anonymous.tpm) or any(r.caller.tpm for r in keys.values())
         self._version, self.loaded = version, True
         return True
+
+    def after_poll(self, job: Callable[[], None]) -> None:
+        """Run `job` after each poll, in the poller's thread (it may raise redis errors)."""
+        self._after_poll.append(job)
 
     def identify(self, authorization: str | None, required: bool) -> Caller | Refusal | None:
         """The caller of a request with this Authorization header; a Refusal (401); or None
@@ -252,6 +260,8 @@ class AccessWatcher:
         while not self._stop.wait(self.interval_s):
             try:
                 self.refresh()
+                for job in self._after_poll:
+                    job()
                 failing = False
             except redis.RedisError as exc:
                 if not failing:

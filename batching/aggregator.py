@@ -308,6 +308,7 @@ class Ticket:
     opened: bool
     rejected: bool = False
     predicted_ms: int = 0
+    counted: int = 0  # the rate counter after this request (0: none was raised)
 
 
 @dataclass(frozen=True)
@@ -315,6 +316,16 @@ class Item:
     deadline_ms: int
     prompt: str  # a /sample request's prompt ("" for a request with its own settings)
     request: SampleRequest | None = None  # the prompt and settings of an API request
+    key_id: int = 0  # the API key it was sent with (0: anonymous), charged its tokens
+
+
+@dataclass(frozen=True)
+class RateCounter:
+    """A request rate counter that an append raises (INCR) in its MULTI; `expire_ms` also
+    sets its expiry (the first raise of a window by this process)."""
+
+    key: str
+    expire_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -341,19 +352,25 @@ class AdmissionInputs:
     turn_ms: float
 
 
-def item_of(deadline_ms: int, prompt: str | SampleRequest) -> str:
-    """An item as a pending list holds it: its deadline (Redis ms), then a space and the bare
-    prompt of a /sample request (the queue's settings), or a colon and a request's JSON."""
+def item_of(deadline_ms: int, prompt: str | SampleRequest, key_id: int = 0) -> str:
+    """An item as a pending list holds it: its deadline (Redis ms) and, for a keyed request,
+    "/<key id>"; then a space and the bare prompt of a /sample request (the queue's settings),
+    or a colon and a request's JSON."""
+    head = f"{deadline_ms}/{key_id}" if key_id else str(deadline_ms)
     if isinstance(prompt, str):
-        return f"{deadline_ms} {prompt}"
-    return f"{deadline_ms}:{prompt.to_json()}"
+        return f"{head} {prompt}"
+    return f"{head}:{prompt.to_json()}"
 
 
 def _parse_item(raw: bytes) -> Item:
     space, colon = raw.find(b" "), raw.find(b":")
-    if colon < 0 or 0 <= space < colon:  # a digit string is followed by one of the two
-        return Item(int(raw[:space]), raw[space + 1 :].decode("utf-8"))
-    return Item(int(raw[:colon]), "", SampleRequest.from_json(raw[colon + 1 :]))
+    sample = colon < 0 or 0 <= space < colon  # the head is followed by one of the two
+    end = space if sample else colon
+    deadline, _, key = raw[:end].partition(b"/")
+    key_id = int(key) if key else 0
+    if sample:
+        return Item(int(deadline), raw[space + 1 :].decode("utf-8"), key_id=key_id)
+    return Item(int(deadline), "", SampleRequest.from_json(raw[colon + 1 :]), key_id)
 
 
 def _worker_info(raw: bytes | None) -> dict[str, Any]:
@@ -432,7 +449,13 @@ class BatchAggregator:
         return keys
 
     def append(
-        self, prompt: str | SampleRequest, budget_ms: int, shard: int | None = None
+        self,
+        prompt: str | SampleRequest,
+        budget_ms: int,
+        shard: int | None = None,
+        *,
+        key_id: int = 0,
+        counter: RateCounter | None = None,
     ) -> Ticket:
         """Join the open batch of `shard` (by default the next shard in this process's turn)
         with a bare prompt (the queue's settings) or a request with its own settings:
@@ -444,7 +467,11 @@ class BatchAggregator:
         Admission is decided before the call from the figure this process read last (a
         refusal needs no Redis call at all); a figure missing, or one that would refuse and
         was read over ADMISSION_FRESH_S ago, is read again first. A process admits requests
-        for at most ADMISSION_REFRESH_S and one request after the figure turned against it."""
+        for at most ADMISSION_REFRESH_S and one request after the figure turned against it.
+
+        A keyed request names its key (`key_id`, for the workers' token charges) and, when
+        the key has a request rate limit, the counter its MULTI raises (`counter`, on the
+        shard's slot: see `shard_of_key`); the ticket carries the count after it."""
         index = (next(self._turn) if shard is None else shard) % len(self.shards)
         keys = self.shards[index]
         seen = self._admission_seen[index]
@@ -454,15 +481,18 @@ class BatchAggregator:
             seen = self._admission_seen[index] = (figure, now_s)
         if seen[0] > 0 and seen[0] > budget_ms:
             return Ticket("", -1, False, True, int(seen[0]))
+        counted = 0
         for _ in range(APPEND_ATTEMPTS):
             now_ms = self._redis_now_ms(keys, now_s)
             candidate = keys.batch_id(uuid.uuid4().hex)
             read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
             pointer = f"{candidate} {now_ms} {self.max_batch_size}"
-            item = item_of(now_ms + int(budget_ms), prompt)
-            joined, length, *predicted = self._join(keys, pointer, item, read_admission)
-            if predicted:
-                seen = self._admission_seen[index] = (float(predicted[0] or 0), now_s)
+            item = item_of(now_ms + int(budget_ms), prompt, key_id)
+            joined, length, *more = self._join(keys, pointer, item, read_admission, counter)
+            if read_admission:
+                seen = self._admission_seen[index] = (float(more.pop(0) or 0), now_s)
+            counted = int(more[0]) if counter is not None else 0
+            counter = None  # raised once, whatever batch the request ends in
             if joined is None:
                 batch_id, max_size, opened = candidate, self.max_batch_size, True
             else:
@@ -473,29 +503,56 @@ class BatchAggregator:
             if length >= max_size:  # full: the next request opens a new batch
                 self.close(batch_id)
             if length <= max_size:
-                return Ticket(batch_id, length - 1, opened)
+                return Ticket(batch_id, length - 1, opened, counted=counted)
             # Pushed onto a batch already full (before its closer moved it): join the next.
         raise redis.RedisError(f"no batch of shard {keys.tag} took the request")
 
-    def _join(self, keys: ShardKeys, pointer: str, item: str, read_admission: bool) -> list[Any]:
+    def shard_of_key(self, key_id: int) -> int:
+        """The shard an API key's requests join: always the same one, so that its request
+        counter lives on the slot of their appends."""
+        return key_id % len(self.shards)
+
+    def _join(
+        self,
+        keys: ShardKeys,
+        pointer: str,
+        item: str,
+        read_admission: bool,
+        counter: RateCounter | None,
+    ) -> list[Any]:
         """The append's MULTI: [the open pointer before (None: `pointer` set), the pending
-        list's length, (the admission figure)]."""
-        if self._cluster:  # its pipeline routes the MULTI to the shard's master
-            return self._join_pipelined(keys, pointer, item, read_admission)
-        return self._join_packed(keys, pointer, item, read_admission)
+        list's length, (the admission figure), (the rate counter after its raise)]."""
+        join = self._join_pipelined if self._cluster else self._join_packed
+        # A cluster's pipeline routes the MULTI to the shard's master.
+        replies = join(keys, pointer, item, read_admission, counter)
+        return replies[:-1] if counter is not None and counter.expire_ms else replies  # PEXPIRE
 
     def _join_pipelined(
-        self, keys: ShardKeys, pointer: str, item: str, read_admission: bool
+        self,
+        keys: ShardKeys,
+        pointer: str,
+        item: str,
+        read_admission: bool,
+        counter: RateCounter | None,
     ) -> list[Any]:
         with self.client.pipeline(transaction=True) as pipe:
             pipe.set(keys.open_batch, pointer, nx=True, get=True, px=self.ttl_ms)
             pipe.rpush(keys.pending, item)
             if read_admission:
                 pipe.hget(keys.admission, "predicted")
+            if counter is not None:
+                pipe.incr(counter.key)
+                if counter.expire_ms:
+                    pipe.pexpire(counter.key, counter.expire_ms)
             return list(pipe.execute())
 
     def _join_packed(
-        self, keys: ShardKeys, pointer: str, item: str, read_admission: bool
+        self,
+        keys: ShardKeys,
+        pointer: str,
+        item: str,
+        read_admission: bool,
+        counter: RateCounter | None,
     ) -> list[Any]:
         """`_join_pipelined`'s bytes, sent by hand on a pooled connection: redis-py's Pipeline
         spends several times the Python on them (`python -m bench.append_cost`)."""
@@ -506,6 +563,10 @@ class BatchAggregator:
         ]
         if read_admission:
             commands.append(("HGET", keys.admission, "predicted"))
+        if counter is not None:
+            commands.append(("INCR", counter.key))
+            if counter.expire_ms:
+                commands.append(("PEXPIRE", counter.key, counter.expire_ms))
         commands.append(("EXEC",))
         pool = self.client.connection_pool
         # The pool hands out a connection Redis closed (restarted) only after reconnecting it.
@@ -685,12 +746,6 @@ class BatchAggregator:
         pipe.lpush(self.keys.batch_log, record)
         pipe.ltrim(self.keys.batch_log, 0, BATCH_LOG_LENGTH - 1)
         stats.add_counts(pipe, self.queue, at_s, counts)
-
-    def record_batch(self, record: str, counts: Mapping[str, int], at_s: float) -> None:
-        """`queue_record`, sent at once: one round trip."""
-        with self.client.pipeline(transaction=False) as pipe:
-            self.queue_record(pipe, record, counts, at_s)
-            pipe.execute()
 
     def recent_batches(self, count: int = BATCH_LOG_LENGTH) -> list[bytes]:
         return list(self.client.lrange(self.keys.batch_log, 0, count - 1))

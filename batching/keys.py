@@ -106,6 +106,11 @@ class AccessKeys:
         """A hash: a key's id -> when a web process last saw it (epoch seconds)."""
         return f"{self.prefix}:last-used"
 
+    def tokens(self, window: int) -> str:
+        """A hash: a key's id -> the completion tokens its requests were charged in rate
+        window `window` (minutes since the epoch), by the workers as batches finish."""
+        return f"{self.prefix}:tpm:{window}"
+
 
 @dataclass(frozen=True)
 class ShardKeys:
@@ -176,6 +181,12 @@ class ShardKeys:
 
     def batch_id(self, unique: str) -> str:
         return f"{{{self.tag}}}{unique}"
+
+    def requests_counter(self, key_id: int, window: int) -> str:
+        """The count of API key `key_id`'s requests in rate window `window` (minutes since the
+        epoch), raised by the request's own append: a keyed request joins the shard its key
+        is pinned to, so the counter shares the slot of the append's MULTI."""
+        return f"{self.prefix}:rpm:{key_id}:{window}"
 
 
 def tag_of(batch_id: str) -> str:

@@ -26,4 +26,5 @@ class RequestOutcome(StrEnum):
     REJECTED = "rejected"  # 503 + Retry-After: turned away by admission control (overloaded)
     BAD_REQUEST = "bad_request"  # 4xx: the request or its prompt was refused
     UNAUTHORIZED = "unauthorized"  # 401: no valid API key (missing, unknown, revoked, expired)
+    RATE_LIMITED = "rate_limited"  # 429 + Retry-After: the key is over its rate limit
     ERROR = "error"  # 502 (the sampler failed) or 503 (Redis or the broker unreachable)

@@ -170,11 +170,17 @@ class Summary:
         return self.requests(outcome) / self.seconds if self.seconds > 0 else 0.0
 
     def demand_rate(self) -> float:
-        """Requests/s that asked for a completion: all but those refused as bad requests."""
+        """Requests/s that asked for a completion: all but those refused before any batch
+        (bad requests, no valid key, over the key's rate limit)."""
         if not self.seconds:
             return 0.0
-        refused = self.requests(RequestOutcome.BAD_REQUEST) + self.requests(
-            RequestOutcome.UNAUTHORIZED
+        refused = sum(
+            self.requests(outcome)
+            for outcome in (
+                RequestOutcome.BAD_REQUEST,
+                RequestOutcome.UNAUTHORIZED,
+                RequestOutcome.RATE_LIMITED,
+            )
         )
         return (self.requests() - refused) / self.seconds
 

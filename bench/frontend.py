@@ -29,14 +29,20 @@ import contextlib  # noqa: E402
 import http.client  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gevent  # noqa: E402
+import redis  # noqa: E402
 from gevent.pool import Pool  # noqa: E402
 
+from batching.access import POLL_INTERVAL_S  # noqa: E402
 from bench import loadgen  # noqa: E402
+from bench.compare import redis_commands  # noqa: E402
 from bench.gap import Tree, worktree  # noqa: E402
 from bench.procstat import cpu_seconds  # noqa: E402
 from inference_site.lib.embedded_redis import EmbeddedRedis  # noqa: E402
@@ -49,12 +55,17 @@ PROTOCOLS = {"/sample": loadgen.RAW_TEXT, COMPLETIONS: loadgen.completions_proto
 
 
 def one(
-    base_port: int, path: str, body: bytes | None, timeout: float = 30
+    base_port: int,
+    path: str,
+    body: bytes | None,
+    timeout: float = 30,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, str, float]:
     connection = http.client.HTTPConnection("127.0.0.1", base_port, timeout=timeout)
     try:
         started = time.perf_counter()
-        connection.request("POST" if body is not None else "GET", path, body=body)
+        method = "POST" if body is not None else "GET"
+        connection.request(method, path, body=body, headers=headers or {})
         response = connection.getresponse()
         data = response.read().decode("utf-8", "replace")
         return response.status, data, time.perf_counter() - started
@@ -69,7 +80,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def closed_loop(port: int, path: str, requests: int, concurrency: int, check: bool) -> float:
+def closed_loop(
+    port: int,
+    path: str,
+    requests: int,
+    concurrency: int,
+    check: bool,
+    headers: dict[str, str] | None = None,
+) -> float:
     """Send `requests` requests with `concurrency` in flight; return wall seconds."""
     pool = Pool(concurrency)
     errors: list[str] = []
@@ -77,7 +95,8 @@ def closed_loop(port: int, path: str, requests: int, concurrency: int, check: bo
     def task(i: int) -> None:
         prompt = f"bench {i} {uuid.uuid4().hex[:8]}"
         protocol = PROTOCOLS.get(path)  # None: a GET of a bare view
-        status, body, _ = one(port, path, protocol.body(prompt) if protocol else None)
+        payload = protocol.body(prompt) if protocol else None
+        status, body, _ = one(port, path, payload, headers=headers)
         text = protocol.answer(body.encode()) if protocol and status == 200 else None
         wrong = check and text is not None and text != expected_completion(prompt)
         if status != 200 or wrong:
@@ -98,6 +117,23 @@ def single_latencies_ms(port: int, count: int) -> list[float]:
         assert (status, body) == (200, expected_completion(prompt)), (status, body)
         latencies.append(seconds * 1000)
     return latencies
+
+
+def _limited_key(stack: Stack) -> str:
+    """A key with a request limit no run reaches (every request raises its counter), made as
+    an operator makes one, once every web process has it."""
+    manage = [sys.executable, str(ROOT / "manage.py")]
+    # The key's row goes to a database of its own: the web processes read keys from Redis.
+    database = Path(tempfile.mkdtemp(prefix="bench-keys-")) / "db.sqlite3"
+    env = {**os.environ, **stack.environment(), "DATABASE_URL": f"sqlite:///{database}"}
+    subprocess.run([*manage, "migrate", "--noinput", "-v0"], env=env, check=True)
+    made = subprocess.run(
+        [*manage, "createapikey", "bench", "--rpm", "100000000"],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    key = made.stdout.strip().splitlines()[-1]
+    time.sleep(2 * POLL_INTERVAL_S + 0.5)
+    return key
 
 
 def compare(ref: str, rounds: int, cpu_requests: int, sequential: int) -> None:
@@ -126,6 +162,16 @@ def compare(ref: str, rounds: int, cpu_requests: int, sequential: int) -> None:
                         closed_loop(stack.port, path, cpu_requests, 50, check=True)
                         used = cpu_seconds(stack.web.pid) - cpu_before
                         row[name].append(used / cpu_requests * 1000)
+                    if tree.root == ROOT:  # this tree has API keys: also a rate-limited key
+                        headers = {"Authorization": f"Bearer {_limited_key(stack)}"}
+                        client = redis.Redis.from_url(server.url)
+                        commands_before = redis_commands(client)
+                        cpu_before = cpu_seconds(stack.web.pid)
+                        closed_loop(stack.port, "/sample", cpu_requests, 50, True, headers)
+                        used = cpu_seconds(stack.web.pid) - cpu_before
+                        commands = redis_commands(client) - commands_before
+                        row.setdefault("keyed", []).append(used / cpu_requests * 1000)
+                        row.setdefault("keyed commands", []).append(commands / cpu_requests)
                 finally:
                     stack.stop()
                 shown = ", ".join(f"{key} {values[-1]:.2f}" for key, values in row.items())
@@ -136,6 +182,14 @@ def compare(ref: str, rounds: int, cpu_requests: int, sequential: int) -> None:
     for name, row in figures.items():
         cells = [f"{statistics.median(row[k]):.2f}" for k in ("p50", "sample", "bare")]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    keyed = figures["this"]
+    if "keyed" in keyed:
+        print(
+            f"\nThis tree, /sample with a rate-limited API key (same rounds): "
+            f"{statistics.median(keyed['keyed']):.2f} ms CPU per request, "
+            f"{statistics.median(keyed['keyed commands']):.2f} Redis commands per request "
+            "(all of the node's, closed loop)"
+        )
     before, after = figures[ref[:8]], figures["this"]
     for key, label in (("p50", "single request p50"), ("sample", "CPU per /sample")):
         change = statistics.median(after[key]) / statistics.median(before[key]) - 1

@@ -63,6 +63,7 @@ class Dashboard:
             ("timeouts / rejected / errors", " / ".join(str(recent.requests(o)) for o in failures)),
             ("bad requests", str(recent.requests(RequestOutcome.BAD_REQUEST))),
             ("unauthorized (401)", str(recent.requests(RequestOutcome.UNAUTHORIZED))),
+            ("rate limited (429)", str(recent.requests(RequestOutcome.RATE_LIMITED))),
             ("latency p50 / p99", f"{number(p50, ',.0f', ' ms')} / {number(p99, ',.0f', ' ms')}"),
             ("batches", f"{recent.batches:,}"),
             ("mean batch", number(recent.mean_batch(), ".1f")),
@@ -158,6 +159,7 @@ def _charts(hour: list[tuple[int, Counter[str]]], policy: Policy, now: float) ->
         RequestOutcome.REJECTED: charts.PALETTE["purple"],
         RequestOutcome.BAD_REQUEST: charts.PALETTE["grey"],
         RequestOutcome.UNAUTHORIZED: charts.PALETTE["teal"],
+        RequestOutcome.RATE_LIMITED: charts.PALETTE["blue"],
         RequestOutcome.ERROR: charts.PALETTE["red"],
     }
     requests = charts.line_chart(

@@ -264,7 +264,26 @@ class StatsMinute(models.Model):
 _LIMIT_HELP = "0: no limit."
 
 
-class Tier(models.Model):
+class PublishesAccess(models.Model):
+    """A model whose rows are part of the published key and tier records: every save and
+    delete republishes them once its transaction commits."""
+
+    class Meta:
+        abstract = True
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        with transaction.atomic():
+            super().save(*args, **kwargs)
+            transaction.on_commit(publish_access)
+
+    def delete(self, *args: Any, **kwargs: Any) -> Any:
+        with transaction.atomic():
+            result = super().delete(*args, **kwargs)
+            transaction.on_commit(publish_access)
+        return result
+
+
+class Tier(PublishesAccess):
     """A class of customers: its priority (a free GPU serves the highest waiting tier first)
     and the default limits of its keys. Requests without a key, while keys are not required,
     get the tier named "anonymous"."""
@@ -288,22 +307,11 @@ class Tier(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        with transaction.atomic():
-            super().save(*args, **kwargs)
-            transaction.on_commit(publish_access)
-
-    def delete(self, *args: Any, **kwargs: Any) -> Any:
-        with transaction.atomic():
-            result = super().delete(*args, **kwargs)
-            transaction.on_commit(publish_access)
-        return result
-
     def as_caller(self) -> access.Caller:
         return access.Caller(0, self.name, self.name, self.priority, self.rpm, self.tpm)
 
 
-class ApiKey(models.Model):
+class ApiKey(PublishesAccess):
     """A client's key. The key itself is shown once, when it is created; only its SHA-256 and
     its first characters are kept."""
 
@@ -335,15 +343,7 @@ class ApiKey(models.Model):
     def save(self, *args: Any, **kwargs: Any) -> None:
         if not self.digest:
             raise ValueError("an API key is saved after issue()")
-        with transaction.atomic():
-            super().save(*args, **kwargs)
-            transaction.on_commit(publish_access)
-
-    def delete(self, *args: Any, **kwargs: Any) -> Any:
-        with transaction.atomic():
-            result = super().delete(*args, **kwargs)
-            transaction.on_commit(publish_access)
-        return result
+        super().save(*args, **kwargs)
 
     def issue(self) -> str:
         """Give an unsaved key its secret; returns the key, which is not stored."""

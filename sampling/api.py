@@ -53,6 +53,7 @@ OPENAI_ERRORS = {
     Problem.PROMPT_REJECTED: ("invalid_request_error", "prompt_rejected"),
     Problem.SAMPLER_FAILED: ("server_error", "sampler_failed"),
     Problem.UNAUTHORIZED: ("invalid_request_error", "invalid_api_key"),
+    Problem.RATE_LIMITED: ("rate_limit_error", "rate_limit_exceeded"),
 }
 # Problem -> /api/inference's error name.
 INFERENCE_ERRORS = {
@@ -62,6 +63,7 @@ INFERENCE_ERRORS = {
     Problem.PROMPT_REJECTED: "INVALID_REQUEST",
     Problem.SAMPLER_FAILED: "SAMPLER_FAILED",
     Problem.UNAUTHORIZED: "UNAUTHORIZED",
+    Problem.RATE_LIMITED: "RATE_LIMITED",
 }
 
 
@@ -252,7 +254,7 @@ def _completions(
     except Invalid as invalid:
         return RequestOutcome.BAD_REQUEST, _invalid_response(invalid)
     echoed = prompts if parsed.echo else None
-    return _generate(process, arrival, policy, items, model, parsed, echoed, chat=False)
+    return _generate(process, caller, arrival, policy, items, model, parsed, echoed, chat=False)
 
 
 def _chat_completions(
@@ -268,11 +270,12 @@ def _chat_completions(
         items = _requests(None, chat, parsed)
     except Invalid as invalid:
         return RequestOutcome.BAD_REQUEST, _invalid_response(invalid)
-    return _generate(process, arrival, policy, items, model, parsed, None, chat=True)
+    return _generate(process, caller, arrival, policy, items, model, parsed, None, chat=True)
 
 
 def _generate(
     process: WebProcess,
+    caller: Caller,
     arrival: float,
     policy: Policy,
     items: list[SampleRequest],
@@ -283,7 +286,9 @@ def _generate(
     chat: bool,
 ) -> tuple[RequestOutcome, HttpResponse]:
     """A validated request's items through the batches, and its answer (or error)."""
-    answers = submit(process, items, arrival + policy.deadline_ms / 1000, policy.deadline_ms)
+    answers = submit(
+        process, caller, items, arrival + policy.deadline_ms / 1000, policy.deadline_ms
+    )
     if isinstance(answers, Failure):
         return answers.outcome, answer_failure(_failure_response, answers)
     texts = [answer[1] for answer in answers]
@@ -488,7 +493,7 @@ def _inference(
             return RequestOutcome.BAD_REQUEST, _invalid_response(invalid)
         error = {"error": "INVALID_REQUEST", "message": invalid.message}
         return RequestOutcome.BAD_REQUEST, _json(400, error)
-    answers = submit(process, [parsed.input], arrival + policy.deadline_ms / 1000,
+    answers = submit(process, caller, [parsed.input], arrival + policy.deadline_ms / 1000,
                      policy.deadline_ms)  # fmt: skip
     if isinstance(answers, Failure):
         response = answer_failure(_inference_failure, answers)

@@ -23,6 +23,7 @@ from batching import topology
 from batching.access import AccessWatcher
 from batching.aggregator import BatchAggregator
 from batching.policy import Policy, PolicyWatcher, policy_from_settings
+from batching.ratelimit import RateLimiter
 from batching.stats import RequestStats
 
 log = logging.getLogger(__name__)
@@ -84,11 +85,17 @@ class WebProcess:
     watcher: PolicyWatcher
     stats: RequestStats
     access: AccessWatcher
+    limiter: RateLimiter
 
     def start(self) -> None:
         self.watcher.start()
+        self.access.after_poll(self._refresh_token_charges)
         self.access.start()
         threading.Thread(target=self._background, name="stats-flush", daemon=True).start()
+
+    def _refresh_token_charges(self) -> None:
+        if self.access.limits_tokens:
+            self.limiter.refresh_tokens()
 
     def _background(self) -> None:
         # Jitter, not a secret: the processes of a node spread their jobs over the interval.
@@ -132,7 +139,12 @@ def web_process() -> WebProcess:
             )
         )
         found = _web[pid] = WebProcess(
-            client, aggregator, watcher, RequestStats(aggregator.queue), AccessWatcher(client)
+            client,
+            aggregator,
+            watcher,
+            RequestStats(aggregator.queue),
+            AccessWatcher(client),
+            RateLimiter(client),
         )
         found.start()
     return found

@@ -27,6 +27,7 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from batching.access import Caller
+from batching.aggregator import RateCounter
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome, RequestOutcome
 from batching.protocol import RUN_BATCH_TASK
@@ -52,6 +53,7 @@ class Problem(StrEnum):
     PROMPT_REJECTED = "prompt_rejected"  # 400: the model refused the prompt (too long...)
     SAMPLER_FAILED = "sampler_failed"  # 502: the sampler failed for the batch
     UNAUTHORIZED = "unauthorized"  # 401: no valid API key
+    RATE_LIMITED = "rate_limited"  # 429 + Retry-After: the key is over its rate limit
 
 
 STATUS = {
@@ -61,6 +63,7 @@ STATUS = {
     Problem.PROMPT_REJECTED: 400,
     Problem.SAMPLER_FAILED: 502,
     Problem.UNAUTHORIZED: 401,
+    Problem.RATE_LIMITED: 429,
 }
 OUTCOME = {
     Problem.OVERLOADED: RequestOutcome.REJECTED,
@@ -69,6 +72,7 @@ OUTCOME = {
     Problem.PROMPT_REJECTED: RequestOutcome.BAD_REQUEST,
     Problem.SAMPLER_FAILED: RequestOutcome.ERROR,
     Problem.UNAUTHORIZED: RequestOutcome.UNAUTHORIZED,
+    Problem.RATE_LIMITED: RequestOutcome.RATE_LIMITED,
 }
 
 
@@ -76,7 +80,7 @@ OUTCOME = {
 class Failure:
     problem: Problem
     message: str  # one line, for the client
-    retry_after_s: int = 0  # 503 only: when to try again
+    retry_after_s: int = 0  # 503 and 429: when to try again
 
     @property
     def status(self) -> int:
@@ -117,9 +121,10 @@ def answer_failure(words: Words, failure: Failure) -> HttpResponse:
 
 def counted(handle: Handler, words: Words) -> Callable[[HttpRequest], HttpResponse]:
     """A view around `handle(request, process, arrival, caller)`: the caller authenticated
-    first (a refusal worded by `words`), and every request counted in memory (statistics
-    flushed to Redis once a second) and in this process's Prometheus file, with no round trip
-    on the request path. CSRF does not apply to the API (no cookies)."""
+    and checked against its rate limits first (a refusal worded by `words`), every answer to
+    a limited caller with its x-ratelimit-* headers, and every request counted in memory
+    (statistics flushed to Redis once a second) and in this process's Prometheus file, with
+    no round trip on the request path. CSRF does not apply to the API (no cookies)."""
 
     @csrf_exempt
     def view(request: HttpRequest) -> HttpResponse:
@@ -129,7 +134,14 @@ def counted(handle: Handler, words: Words) -> Callable[[HttpRequest], HttpRespon
         if isinstance(caller, Failure):
             outcome, response = caller.outcome, answer_failure(words, caller)
         else:
-            outcome, response = handle(request, process, arrival, caller)
+            limited = process.limiter.check(caller)
+            if limited is not None:
+                refusal = Failure(Problem.RATE_LIMITED, limited.message, limited.retry_after_s)
+                outcome, response = refusal.outcome, answer_failure(words, refusal)
+            else:
+                outcome, response = handle(request, process, arrival, caller)
+            for header, value in process.limiter.headers(caller).items():
+                response[header] = value
         latency_s = time.monotonic() - arrival
         process.stats.record(outcome, latency_s)
         metrics.record_request(outcome, latency_s)
@@ -145,16 +157,30 @@ def _unavailable() -> Failure:
 
 def submit(
     process: WebProcess,
+    caller: Caller,
     items: Sequence[str | SampleRequest],
     deadline: float,
     deadline_ms: int,
 ) -> list[list[Any]] | Failure:
     """Every item's answer ([ItemOutcome.OK, text, ...] each, in order), or why the request
-    gets none. `deadline` is monotonic; `deadline_ms` the policy's, for messages."""
+    gets none. `deadline` is monotonic; `deadline_ms` the policy's, for messages. The items of
+    a caller with a request limit join its key's shard, and the first raises its counter
+    (batching.ratelimit)."""
+    aggregator, limiter = process.aggregator, process.limiter
+    shard = aggregator.shard_of_key(caller.key_id) if caller.rpm else None
+    now_s = time.time()
+    counter_key = limiter.counter(caller, aggregator.shards[shard or 0], now_s)
+    counter = RateCounter(counter_key, limiter.needs_expiry(caller, now_s)) if counter_key else None
     tickets = []
     for item in items:
         try:
-            ticket = process.aggregator.append(item, int((deadline - time.monotonic()) * 1000))
+            ticket = aggregator.append(
+                item,
+                int((deadline - time.monotonic()) * 1000),
+                shard,
+                key_id=caller.key_id,
+                counter=counter,
+            )
         except redis.RedisError as exc:
             log.error("cannot reach Redis to queue a request: %s", exc)
             return _unavailable()
@@ -165,6 +191,9 @@ def submit(
                 "deadline",
                 max(1, math.ceil(ticket.predicted_ms / 1000)),
             )
+        if ticket.counted and counter is not None:
+            limiter.counted(caller, ticket.counted, now_s, expiry_set=bool(counter.expire_ms))
+            counter = None  # one request, one count: its other items join without
         if ticket.opened and not _dispatch(process, ticket.batch_id):
             return _unavailable()
         tickets.append(ticket)

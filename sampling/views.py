@@ -63,7 +63,7 @@ def _sample(
         )
 
     deadline_ms = policy.deadline_ms
-    answers = submit(process, [prompt], arrival + deadline_ms / 1000, deadline_ms)
+    answers = submit(process, caller, [prompt], arrival + deadline_ms / 1000, deadline_ms)
     if isinstance(answers, Failure):
         return answers.outcome, answer_failure(_failure, answers)
     return RequestOutcome.OK, _text(200, answers[0][1])

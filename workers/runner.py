@@ -12,12 +12,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
 
-from batching import stats
+from batching import ratelimit, stats
 from batching.aggregator import AdmissionInputs, BatchAggregator, Item, SealedBatch
 from batching.generation import Completion, Row
 from batching.outcomes import ItemOutcome
@@ -61,6 +61,9 @@ class Turn:
     began: float  # perf_counter when the seal started
     sampler_ms: float = 0.0
     ended: float = 0.0  # perf_counter when the last call returned
+    # API key id (0: anonymous) -> completion tokens sampled for its items: charged to the
+    # keys' token rate windows when the turn is reported.
+    tokens_by_key: dict[int, int] = field(default_factory=dict)
 
     @property
     def answers(self) -> list[Result]:
@@ -183,7 +186,9 @@ class BatchRunner:
     def sample(self, turn: Turn) -> None:
         """The turn's sampler calls: every live item gets its answer."""
         for chunk in turn.chunks:
-            turn.sampler_ms += self._sample(turn.batch_id, turn.sealed.items, chunk, turn.results)
+            turn.sampler_ms += self._sample(
+                turn.batch_id, turn.sealed.items, chunk, turn.results, turn.tokens_by_key
+            )
         turn.ended = time.perf_counter()
 
     def finish(self, turn: Turn, pipe: redis.client.Pipeline | None = None) -> None:
@@ -199,7 +204,12 @@ class BatchRunner:
             self.turn_ms += ESTIMATE_WEIGHT * (turn_ms - self.turn_ms)
 
     def _sample(
-        self, batch_id: str, items: list[Item], indexes: list[int], results: dict[int, Result]
+        self,
+        batch_id: str,
+        items: list[Item],
+        indexes: list[int],
+        results: dict[int, Result],
+        tokens_by_key: dict[int, int],
     ) -> float:
         """One sampler call for items[indexes]; fills their results; returns its ms."""
         rows: list[Row] = []
@@ -222,6 +232,10 @@ class BatchRunner:
                 )
             for index, completion in zip(called, completions, strict=True):
                 results[index] = _answer(items[index], completion)
+                if not isinstance(completion, PromptRejected):
+                    key_id = items[index].key_id
+                    tokens = completion.completion_tokens
+                    tokens_by_key[key_id] = tokens_by_key.get(key_id, 0) + tokens
         except Exception as exc:  # any sampler failure fails this call's items, not the worker
             log.exception("sampler %s failed on batch %s", self.sampler.name, batch_id)
             reason = f"sampler failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
@@ -274,10 +288,15 @@ class BatchRunner:
             calls=calls,
             max_batch_size=policy.max_batch_size,
         )
+        now_s = time.time()
         if pipe is not None:
-            self.aggregator.queue_record(pipe, json.dumps(record), statistics, time.time())
+            self.aggregator.queue_record(pipe, json.dumps(record), statistics, now_s)
+            ratelimit.queue_token_charges(pipe, turn.tokens_by_key, now_s)
             return
         try:
-            self.aggregator.record_batch(json.dumps(record), statistics, time.time())
+            with self.aggregator.client.pipeline(transaction=False) as own:
+                self.aggregator.queue_record(own, json.dumps(record), statistics, now_s)
+                ratelimit.queue_token_charges(own, turn.tokens_by_key, now_s)
+                own.execute()
         except Exception:  # a lost record must never lose the batch's answers
             log.exception("could not record batch %s", batch_id)

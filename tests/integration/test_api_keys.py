@@ -22,6 +22,7 @@ from inference_site.lib.stack import ROOT, Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample
+from tests.support.keys import bearer, create_key, until
 from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
@@ -35,28 +36,6 @@ def keyed(start_stack: Callable[..., Stack]) -> Stack:
     return start_stack(
         "keyed", env={"SAMPLER": "simulated", "SAMPLING_REQUIRE_API_KEY": "1"}, web_processes=2
     )
-
-
-def create_key(stack: Stack, name: str, *options: str) -> str:
-    """`manage.py createapikey`, as an operator runs it: the key is stdout's last line."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "manage.py"), "createapikey", name, *options],
-        env={**os.environ, **stack.environment()}, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return done.stdout.strip().splitlines()[-1]
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def until(check: Callable[[], bool], within_s: float) -> float:
-    """Seconds until `check()` held (polled every 50 ms); fails after `within_s`."""
-    started = time.monotonic()
-    while not check():
-        assert time.monotonic() - started < within_s, f"not within {within_s} s"
-        time.sleep(0.05)
-    return time.monotonic() - started
 
 
 def every_process_answers(stack: Stack, key: str, status: int, tries: int = 8) -> bool:

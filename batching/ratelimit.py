@@ -1,0 +1,165 @@
+"""Per-key rate limits: requests per minute (rpm) and completion tokens per minute (tpm).
+
+Both count in fixed one-minute windows (minutes since the epoch, in Redis), per API key.
+
+Requests are counted by the request's own Redis call: a keyed request joins the shard its
+key is pinned to (BatchAggregator.shard_of_key) and its append's MULTI raises the window's
+counter (INCR), so the limit costs no round trip and no Lua. A process refuses a request
+itself, before any Redis call, once a count it read reached the limit, until the window ends.
+Another process learns the count from its own next append, whose request is in its batch
+already: a key exceeds its limit by at most one request per web process, and a 429 costs
+nothing.
+
+Tokens are known only once sampled: the workers charge each batch's completion tokens to
+the keys of its items when the batch finishes (`queue_token_charges`, in the batch's report).
+Every web process reads the window's charges with its key poll (AccessWatcher's loop, every
+0.5 s) and refuses a key whose charges reached its limit until the window ends (a key may
+overrun by what its requests in flight sample, as with any limit of tokens not yet known).
+
+Anonymous requests share the anonymous tier's limits, counted as key 0. This module knows
+nothing of Django.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import redis
+
+from batching.access import KEYS, Caller
+from batching.keys import AccessKeys, ShardKeys
+
+WINDOW_S = 60
+# A window's counters outlive it by one window: the next window's refusals need only their own.
+COUNTER_TTL_MS = 2 * WINDOW_S * 1000
+
+
+def window_of(now_s: float) -> int:
+    return int(now_s // WINDOW_S)
+
+
+def reset_in_s(now_s: float) -> float:
+    """Seconds until the window of `now_s` ends."""
+    return WINDOW_S - now_s % WINDOW_S
+
+
+@dataclass(frozen=True)
+class Limited:
+    """A request refused by its key's rate limit (429 + Retry-After)."""
+
+    kind: str  # "requests" or "tokens": the limit that refused it
+    limit: int
+    retry_after_s: int
+
+    @property
+    def message(self) -> str:
+        per = "requests" if self.kind == "requests" else "completion tokens"
+        return (
+            f"rate limit reached: {self.limit} {per} per minute for this key; "
+            f"try again in {self.retry_after_s} s"
+        )
+
+
+class RateLimiter:
+    """One web process's view of its callers' rate windows."""
+
+    def __init__(self, client: redis.Redis, keys: AccessKeys = KEYS) -> None:
+        self.client = client
+        self.keys = keys
+        # key id -> (window, the highest request count this process saw in it)
+        self._requests: dict[int, tuple[int, int]] = {}
+        # (key id, window) whose counter this process has set to expire
+        self._expiring: set[tuple[int, int]] = set()
+        self._tokens_window = -1
+        self._tokens: dict[int, int] = {}  # key id -> tokens charged in _tokens_window
+
+    def check(self, caller: Caller, now_s: float | None = None) -> Limited | None:
+        """A refusal when the caller is over a limit, from what this process knows: no Redis
+        call."""
+        if not caller.rpm and not caller.tpm:
+            return None
+        now_s = time.time() if now_s is None else now_s
+        window = window_of(now_s)
+        retry = max(1, math.ceil(reset_in_s(now_s)))
+        if caller.rpm and self._requests_seen(caller.key_id, window) >= caller.rpm:
+            return Limited("requests", caller.rpm, retry)
+        if caller.tpm and self._tokens_seen(caller.key_id, window) >= caller.tpm:
+            return Limited("tokens", caller.tpm, retry)
+        return None
+
+    def counter(self, caller: Caller, shard: ShardKeys, now_s: float | None = None) -> str | None:
+        """The request counter the caller's append raises (None: no request limit)."""
+        if not caller.rpm:
+            return None
+        now_s = time.time() if now_s is None else now_s
+        return shard.requests_counter(caller.key_id, window_of(now_s))
+
+    def needs_expiry(self, caller: Caller, now_s: float) -> int:
+        """COUNTER_TTL_MS until this process's append has set the expiry of the caller's
+        counter of this window (that append sets it too), then 0."""
+        return 0 if (caller.key_id, window_of(now_s)) in self._expiring else COUNTER_TTL_MS
+
+    def counted(self, caller: Caller, count: int, now_s: float, expiry_set: bool) -> None:
+        """What the caller's append read: its window's count after this request, and whether
+        it set the counter's expiry (only an append that ran can have)."""
+        window = window_of(now_s)
+        if count > self._requests_seen(caller.key_id, window):
+            self._requests[caller.key_id] = (window, count)
+        if expiry_set:
+            if len(self._expiring) > 10_000:  # old windows' marks
+                self._expiring.clear()
+            self._expiring.add((caller.key_id, window))
+
+    def headers(self, caller: Caller, now_s: float | None = None) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers for the caller's limits (none without a limit)."""
+        if not caller.rpm and not caller.tpm:
+            return {}
+        now_s = time.time() if now_s is None else now_s
+        window = window_of(now_s)
+        reset = f"{max(1, math.ceil(reset_in_s(now_s)))}s"
+        headers = {}
+        if caller.rpm:
+            used = self._requests_seen(caller.key_id, window)
+            headers["x-ratelimit-limit-requests"] = str(caller.rpm)
+            headers["x-ratelimit-remaining-requests"] = str(max(0, caller.rpm - used))
+            headers["x-ratelimit-reset-requests"] = reset
+        if caller.tpm:
+            used = self._tokens_seen(caller.key_id, window)
+            headers["x-ratelimit-limit-tokens"] = str(caller.tpm)
+            headers["x-ratelimit-remaining-tokens"] = str(max(0, caller.tpm - used))
+            headers["x-ratelimit-reset-tokens"] = reset
+        return headers
+
+    def refresh_tokens(self, now_s: float | None = None) -> None:
+        """Read the window's token charges (the key poll's loop). Raises redis errors."""
+        now_s = time.time() if now_s is None else now_s
+        window = window_of(now_s)
+        raw = self.client.hgetall(self.keys.tokens(window))
+        self._tokens = {int(k): int(v) for k, v in raw.items()}
+        self._tokens_window = window
+
+    def _requests_seen(self, key_id: int, window: int) -> int:
+        seen = self._requests.get(key_id)
+        return seen[1] if seen is not None and seen[0] == window else 0
+
+    def _tokens_seen(self, key_id: int, window: int) -> int:
+        return self._tokens.get(key_id, 0) if window == self._tokens_window else 0
+
+
+def queue_token_charges(
+    pipe: redis.client.Pipeline,
+    tokens_by_key: Mapping[int, int],
+    now_s: float,
+    keys: AccessKeys = KEYS,
+) -> None:
+    """Queue on `pipe` the charge of a finished batch's completion tokens to its keys."""
+    charged = {key_id: tokens for key_id, tokens in tokens_by_key.items() if tokens > 0}
+    if not charged:
+        return
+    key = keys.tokens(window_of(now_s))
+    for key_id, tokens in charged.items():
+        pipe.hincrby(key, str(key_id), tokens)
+    pipe.pexpire(key, COUNTER_TTL_MS)

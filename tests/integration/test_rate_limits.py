@@ -1,0 +1,162 @@
+"""Rate limits per API key against real processes: 429s exactly at the configured limit
+(within one request per web process), with Retry-After, OpenAI's error and the
+x-ratelimit-* headers; completion tokens charged by the worker refuse the key soon after."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+
+import openai
+import pytest
+import redis
+from openai import OpenAI
+
+from batching import access, ratelimit
+from batching.keys import ShardKeys
+from inference_site.lib.stack import Stack
+from tests.support.http import Reply, request, sample
+from tests.support.keys import bearer, create_key, until
+
+pytestmark = pytest.mark.integration
+
+WEB_PROCESSES = 2
+
+
+@pytest.fixture(scope="module")
+def limited(start_stack: Callable[..., Stack]) -> Stack:
+    return start_stack(
+        "limited",
+        env={"SAMPLER": "simulated", "SAMPLING_REQUIRE_API_KEY": "1"},
+        web_processes=WEB_PROCESSES,
+    )
+
+
+def known_everywhere(stack: Stack, key: str) -> bool:
+    """Every web process knows the key: /v1/models checks a key without counting it."""
+    return all(
+        request(stack.base_url, "/v1/models", method="GET", headers=bearer(key)).status == 200
+        for _ in range(4 * WEB_PROCESSES)
+    )
+
+
+def fresh_window(needed_s: float = 15.0) -> None:
+    """Start in a rate window with `needed_s` left, so that the test's requests share it."""
+    left = ratelimit.reset_in_s(time.time())
+    if left < needed_s:
+        time.sleep(left + 0.1)
+
+
+def new_limited_key(stack: Stack, *options: str) -> str:
+    key = create_key(stack, f"limited {uuid.uuid4().hex[:6]}", *options)
+    until(lambda: known_everywhere(stack, key), 5)
+    return key
+
+
+def test_429_exactly_at_the_request_limit_with_headers_and_retry_after(limited: Stack) -> None:
+    rpm = 7
+    key = new_limited_key(limited, "--rpm", str(rpm))
+    fresh_window()
+    replies: list[Reply] = [
+        sample(limited.base_url, f"E equals {n} ", headers=bearer(key)) for n in range(rpm + 6)
+    ]
+    statuses = [reply.status for reply in replies]
+    served = statuses.count(200)
+    # The first `rpm` are served; after that a process that saw the limit refuses locally,
+    # and a process that had not seen it yet lets one request through (so a 200 may follow
+    # a 429), at most one per process other than the one that counted the limit.
+    assert statuses[:rpm] == [200] * rpm
+    assert set(statuses[rpm:]) <= {200, 429}
+    assert rpm <= served <= rpm + WEB_PROCESSES - 1
+    remaining = [int(r.headers["x-ratelimit-remaining-requests"]) for r in replies[:rpm]]
+    assert remaining == [rpm - n for n in range(1, rpm + 1)]
+    for reply in replies:
+        assert reply.headers["x-ratelimit-limit-requests"] == str(rpm)
+        assert reply.headers["x-ratelimit-reset-requests"].endswith("s")
+    refused = [reply for reply in replies if reply.status == 429][-1]
+    assert refused.body.count("\n") == 1
+    assert "rate limit" in refused.body
+    assert 1 <= int(refused.headers["retry-after"]) <= ratelimit.WINDOW_S
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    # Redis counted the requests that reached a batch, and those only.
+    client = redis.Redis.from_url(limited.env["REDIS_URL"])
+    window = ratelimit.window_of(time.time())
+    key_id = _key_id(limited, key)
+    counter = ShardKeys(limited.env["SAMPLING_QUEUE"]).requests_counter(key_id, window)
+    assert int(client.get(counter) or 0) == served
+    assert 0 < client.pttl(counter) <= ratelimit.COUNTER_TTL_MS
+
+    # The OpenAI client reads the same refusal as its RateLimitError. A process that has not
+    # served the key since the limit was reached may still let one request through.
+    allowance = rpm + WEB_PROCESSES - 1 - served
+    client_ = OpenAI(base_url=f"{limited.base_url}/v1", api_key=key, max_retries=0)
+    caught: openai.RateLimitError | None = None
+    for _ in range(allowance + 1):
+        try:
+            client_.completions.create(model=limited.env["SAMPLING_QUEUE"], prompt="x")
+            allowance -= 1
+        except openai.RateLimitError as refused_by_openai:
+            caught = refused_by_openai
+            break
+    assert caught is not None
+    assert caught.code == "rate_limit_exceeded"
+    assert caught.response.headers["retry-after"]
+    body = json.dumps({"input": "x"})
+    for _ in range(allowance + 1):
+        reply = request(limited.base_url, "/api/inference", body, headers=bearer(key))
+        if reply.status != 200:
+            break
+        allowance -= 1
+    assert (reply.status, json.loads(reply.body)["error"]) == (429, "RATE_LIMITED")
+    assert allowance >= 0
+
+
+def test_completion_tokens_charged_by_the_worker_refuse_the_key(limited: Stack) -> None:
+    tpm = 12
+    key = new_limited_key(limited, "--tpm", str(tpm))
+    fresh_window()
+    client = OpenAI(base_url=f"{limited.base_url}/v1", api_key=key, max_retries=0)
+    model = limited.env["SAMPLING_QUEUE"]
+    spent = 0
+    while spent < tpm:  # each completion's tokens are charged once its batch finishes
+        completion = client.completions.create(model=model, prompt="E equals ", max_tokens=5)
+        assert completion.usage is not None
+        spent += completion.usage.completion_tokens
+    assert spent >= tpm
+
+    def refused_everywhere() -> bool:
+        return all(
+            sample(limited.base_url, "E equals ", headers=bearer(key)).status == 429
+            for _ in range(4 * WEB_PROCESSES)
+        )
+
+    # Every process reads the charges with its key poll (every 0.5 s).
+    assert until(refused_everywhere, 3) < 2
+    reply = sample(limited.base_url, "E equals ", headers=bearer(key))
+    assert reply.status == 429
+    assert reply.headers["x-ratelimit-limit-tokens"] == str(tpm)
+    assert reply.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert "completion tokens" in reply.body
+    # The charges are the tokens the worker counted, in the window's hash.
+    charged = redis.Redis.from_url(limited.env["REDIS_URL"]).hget(
+        access.KEYS.tokens(ratelimit.window_of(time.time())), str(_key_id(limited, key))
+    )
+    assert int(charged or 0) >= spent
+
+
+def test_a_key_without_limits_gets_no_rate_headers(limited: Stack) -> None:
+    key = new_limited_key(limited)
+    reply = sample(limited.base_url, "E equals ", headers=bearer(key))
+    assert reply.status == 200
+    assert not [name for name in reply.headers if name.startswith("x-ratelimit")]
+
+
+def _key_id(stack: Stack, key: str) -> int:
+    """The key's id, as published (the record of its digest)."""
+    raw = redis.Redis.from_url(stack.env["REDIS_URL"]).hget(
+        access.KEYS.records, access.digest_of(key)
+    )
+    assert raw is not None
+    return access.KeyRecord.from_json(raw).caller.key_id
