@@ -163,6 +163,29 @@ end
 """
 )
 
+# KEYS: cached answer, open pointer, pending items, admission (hash), [rate counter]
+# ARGV: pointer if this request opens a batch, item, batch ttl ms, read admission (1/0),
+#       counter expiry ms (0: none set)
+# The append of a request the response cache may answer (`append` with `cache`): its answer
+# when cached (and nothing joins a batch), else the MULTI's commands. A script only for these
+# requests, with the cache on: the plain MULTI costs Redis less.
+CACHED_APPEND_LUA = """
+local reply
+local cached = redis.call('GET', KEYS[1])
+if cached then
+  reply = {1, cached}
+else
+  local joined = redis.call('SET', KEYS[2], ARGV[1], 'NX', 'GET', 'PX', tonumber(ARGV[3]))
+  reply = {0, joined, redis.call('RPUSH', KEYS[3], ARGV[2])}
+  if ARGV[4] == '1' then table.insert(reply, redis.call('HGET', KEYS[4], 'predicted')) end
+end
+if KEYS[5] then
+  table.insert(reply, redis.call('INCR', KEYS[5]))
+  if tonumber(ARGV[5]) > 0 then redis.call('PEXPIRE', KEYS[5], tonumber(ARGV[5])) end
+end
+return reply
+"""
+
 # KEYS: any key of the shard (for routing). Redis time, for a process's clock offset.
 CLOCK_LUA = "return redis.call('TIME')"
 
@@ -309,6 +332,7 @@ class Ticket:
     rejected: bool = False
     predicted_ms: int = 0
     counted: int = 0  # the rate counter after this request (0: none was raised)
+    cached: bytes | None = None  # the answer from the response cache (no batch joined)
 
 
 @dataclass(frozen=True)
@@ -317,6 +341,7 @@ class Item:
     prompt: str  # a /sample request's prompt ("" for a request with its own settings)
     request: SampleRequest | None = None  # the prompt and settings of an API request
     key_id: int = 0  # the API key it was sent with (0: anonymous), charged its tokens
+    cache: str = ""  # the digest its answer is cached under (batching.cache), "" for none
 
 
 @dataclass(frozen=True)
@@ -352,11 +377,14 @@ class AdmissionInputs:
     turn_ms: float
 
 
-def item_of(deadline_ms: int, prompt: str | SampleRequest, key_id: int = 0) -> str:
+def item_of(deadline_ms: int, prompt: str | SampleRequest, key_id: int = 0, cache: str = "") -> str:
     """An item as a pending list holds it: its deadline (Redis ms) and, for a keyed request,
-    "/<key id>"; then a space and the bare prompt of a /sample request (the queue's settings),
-    or a colon and a request's JSON."""
-    head = f"{deadline_ms}/{key_id}" if key_id else str(deadline_ms)
+    "/<key id>", and for a request whose answer is to be cached "/<key id>/<digest>"; then a
+    space and the bare prompt of a /sample request (the queue's settings), or a colon and a
+    request's JSON."""
+    head = f"{deadline_ms}/{key_id}" if key_id or cache else str(deadline_ms)
+    if cache:
+        head += f"/{cache}"
     if isinstance(prompt, str):
         return f"{head} {prompt}"
     return f"{head}:{prompt.to_json()}"
@@ -366,11 +394,12 @@ def _parse_item(raw: bytes) -> Item:
     space, colon = raw.find(b" "), raw.find(b":")
     sample = colon < 0 or 0 <= space < colon  # the head is followed by one of the two
     end = space if sample else colon
-    deadline, _, key = raw[:end].partition(b"/")
-    key_id = int(key) if key else 0
+    deadline, _, rest = raw[:end].partition(b"/")
+    key, _, digest = rest.partition(b"/")
+    key_id, cache = int(key) if key else 0, digest.decode()
     if sample:
-        return Item(int(deadline), raw[space + 1 :].decode("utf-8"), key_id=key_id)
-    return Item(int(deadline), "", SampleRequest.from_json(raw[colon + 1 :]), key_id)
+        return Item(int(deadline), raw[space + 1 :].decode("utf-8"), key_id=key_id, cache=cache)
+    return Item(int(deadline), "", SampleRequest.from_json(raw[colon + 1 :]), key_id, cache)
 
 
 def _worker_info(raw: bytes | None) -> dict[str, Any]:
@@ -420,6 +449,7 @@ class BatchAggregator:
         self._heartbeat = client.register_script(HEARTBEAT_LUA)
         self._take_due = client.register_script(TAKE_DUE_LUA)
         self._admission = client.register_script(ADMISSION_LUA_SCRIPT)
+        self._cached_append = client.register_script(CACHED_APPEND_LUA)
 
     def configure(self, *, max_batch_size: int, deadline_ms: int) -> None:
         """Apply a policy: called at start and by the policy watcher when it changes."""
@@ -434,7 +464,7 @@ class BatchAggregator:
         every master of a cluster)."""
         scripts = (
             self._clock, self._close, self._seal, self._heartbeat, self._take_due,
-            self._admission,
+            self._admission, self._cached_append,
         )  # fmt: skip
         for script in scripts:
             self.client.script_load(script.script)
@@ -456,6 +486,7 @@ class BatchAggregator:
         *,
         key_id: int = 0,
         counter: RateCounter | None = None,
+        cache: str = "",
     ) -> Ticket:
         """Join the open batch of `shard` (by default the next shard in this process's turn)
         with a bare prompt (the queue's settings) or a request with its own settings:
@@ -471,7 +502,12 @@ class BatchAggregator:
 
         A keyed request names its key (`key_id`, for the workers' token charges) and, when
         the key has a request rate limit, the counter its MULTI raises (`counter`, on the
-        shard's slot: see `shard_of_key`); the ticket carries the count after it."""
+        shard's slot: see `shard_of_key`); the ticket carries the count after it.
+
+        A request the response cache may answer names its digest (`cache`, batching.cache):
+        its one call (a script, then) returns the cached answer when there is one, in the
+        ticket, and joins no batch; else it joins as any request, and the worker caches its
+        answer."""
         index = (next(self._turn) if shard is None else shard) % len(self.shards)
         keys = self.shards[index]
         seen = self._admission_seen[index]
@@ -487,8 +523,15 @@ class BatchAggregator:
             candidate = keys.batch_id(uuid.uuid4().hex)
             read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
             pointer = f"{candidate} {now_ms} {self.max_batch_size}"
-            item = item_of(now_ms + int(budget_ms), prompt, key_id)
-            joined, length, *more = self._join(keys, pointer, item, read_admission, counter)
+            item = item_of(now_ms + int(budget_ms), prompt, key_id, cache)
+            if cache:
+                hit, *more = self._join_cached(keys, cache, pointer, item, read_admission, counter)
+                if hit:
+                    counted = int(more[1]) if counter is not None else 0
+                    return Ticket("", -1, False, counted=counted, cached=more[0])
+                joined, length, *more = more
+            else:
+                joined, length, *more = self._join(keys, pointer, item, read_admission, counter)
             if read_admission:
                 seen = self._admission_seen[index] = (float(more.pop(0) or 0), now_s)
             counted = int(more[0]) if counter is not None else 0
@@ -526,6 +569,38 @@ class BatchAggregator:
         # A cluster's pipeline routes the MULTI to the shard's master.
         replies = join(keys, pointer, item, read_admission, counter)
         return replies[:-1] if counter is not None and counter.expire_ms else replies  # PEXPIRE
+
+    def _join_cached(
+        self,
+        keys: ShardKeys,
+        digest: str,
+        pointer: str,
+        item: str,
+        read_admission: bool,
+        counter: RateCounter | None,
+    ) -> list[Any]:
+        """CACHED_APPEND_LUA: [1, the cached answer, (the rate counter)], or [0, then what
+        `_join` returns]."""
+        script_keys = [keys.cached(digest), keys.open_batch, keys.pending, keys.admission]
+        if counter is not None:
+            script_keys.append(counter.key)
+        args = [
+            pointer,
+            item,
+            self.ttl_ms,
+            int(read_admission),
+            counter.expire_ms if counter else 0,
+        ]
+        return list(self._cached_append(keys=script_keys, args=args))
+
+    def queue_cached_answers(
+        self, pipe: redis.client.Pipeline, answers: Mapping[str, str], ttl_ms: int
+    ) -> None:
+        """Queue on `pipe` the answers (JSON) of sampled requests, by digest, on every shard:
+        an identical request finds it whichever shard it joins."""
+        for digest, answer in answers.items():
+            for keys in self.shards:
+                pipe.set(keys.cached(digest), answer, px=ttl_ms)
 
     def _join_pipelined(
         self,

@@ -182,6 +182,12 @@ class ShardKeys:
     def batch_id(self, unique: str) -> str:
         return f"{{{self.tag}}}{unique}"
 
+    def cached(self, digest: str) -> str:
+        """A cached answer (JSON) of the request whose input hashes to `digest`
+        (batching.cache); every shard holds its own copy, so that the append that looks it up
+        finds it on its own slot."""
+        return f"{self.prefix}:cache:{digest}"
+
     def requests_counter(self, key_id: int, window: int) -> str:
         """The count of API key `key_id`'s requests in rate window `window` (minutes since the
         epoch), raised by the request's own append: a keyed request joins the shard its key

@@ -41,6 +41,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),
     "top_p": (0.0, 1.0),
     "fill_target_percent": (1, 100),
+    "response_cache_ttl_s": (1, 7 * 24 * 3600),
 }
 
 
@@ -90,6 +91,10 @@ class Policy:
     stop: str = _GENERATION.stop
     # The batch fill the GPU-count recommendation plans for: 100% leaves no headroom.
     fill_target_percent: int = 90
+    # Answer a request whose completion its input determines (greedy, or a seed) from the
+    # completion of an identical earlier one, for this long after it was sampled.
+    response_cache: bool = False
+    response_cache_ttl_s: int = 300
     version: int = 0  # 0: the environment's defaults, never published
 
     def problems(self) -> list[str]:
@@ -137,6 +142,8 @@ SETTING_NAMES = {
     "top_p": "SAMPLING_TOP_P",
     "stop": "SAMPLING_STOP",
     "fill_target_percent": "SAMPLING_FILL_TARGET_PERCENT",
+    "response_cache": "SAMPLING_RESPONSE_CACHE",
+    "response_cache_ttl_s": "SAMPLING_RESPONSE_CACHE_TTL_S",
 }
 
 

@@ -9,6 +9,9 @@ machines with HINCRBY, so no process needs to know of the others.
   second in one pipeline: the request path never waits on Redis for statistics.
 - Workers write one pipeline per batch (size, expired, queue wait, sampling time, per-worker
   busy time) and one per heartbeat (worker-seconds alive, for the busy %).
+- Usage per API key rides in the same buckets, under fields that name the key
+  (`usage_field`): requests by outcome from the web processes, prompt and completion tokens
+  from the workers. `usage_of` reads them back per key.
 
 Latencies go into fixed buckets 10% wide, so percentiles of any window are computed from the
 summed histogram, accurate to a few percent.
@@ -42,6 +45,68 @@ TTL_S = {SECOND: 15 * 60, TEN_SECONDS: 2 * 3600 + 600}
 KNOWN_WORKERS_S = 10 * 60
 
 
+# A key's usage fields: "k:<key id>:" then "req:<outcome>", PROMPT_TOKENS or COMPLETION_TOKENS.
+USAGE_PREFIX = "k:"
+PROMPT_TOKENS = "pt"
+COMPLETION_TOKENS = "ct"
+
+
+# Items the response cache answered, and items it was asked for but did not hold.
+CACHE_HITS = "cache:hit"
+CACHE_MISSES = "cache:miss"
+
+
+def usage_field(key_id: int, name: str) -> str:
+    return f"{USAGE_PREFIX}{key_id}:{name}"
+
+
+@dataclass
+class Usage:
+    """One key's usage over some time: requests by outcome, and tokens."""
+
+    requests: Counter[str]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, other: Usage) -> None:
+        self.requests.update(other.requests)
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+
+
+def usage_of(counts: Mapping[str, int]) -> dict[int, Usage]:
+    """Every key's usage in a bucket's (or a sum of buckets') counts."""
+    found: dict[int, Usage] = {}
+    for name, value in counts.items():
+        if not name.startswith(USAGE_PREFIX):
+            continue
+        key, _, what = name[len(USAGE_PREFIX) :].partition(":")
+        usage = found.setdefault(int(key), Usage(Counter()))
+        if what == PROMPT_TOKENS:
+            usage.prompt_tokens += value
+        elif what == COMPLETION_TOKENS:
+            usage.completion_tokens += value
+        elif what.startswith("req:"):
+            usage.requests[what[4:]] += value
+    return found
+
+
+def without_usage(counts: Mapping[str, int]) -> dict[str, int]:
+    """The queue's own figures of `counts`, without the per-key usage fields."""
+    return {name: value for name, value in counts.items() if not name.startswith(USAGE_PREFIX)}
+
+
+def token_counts(tokens_by_key: Mapping[int, tuple[int, int]]) -> dict[str, int]:
+    """A batch's usage fields: key id -> (prompt tokens, completion tokens); anonymous
+    requests (key 0) are not a key's usage."""
+    counts: dict[str, int] = {}
+    for key_id, (prompt, completion) in tokens_by_key.items():
+        if key_id:
+            counts[usage_field(key_id, PROMPT_TOKENS)] = prompt
+            counts[usage_field(key_id, COMPLETION_TOKENS)] = completion
+    return counts
+
+
 def latency_bucket(latency_ms: float) -> int:
     return bisect.bisect_left(LATENCY_BOUNDS_MS, latency_ms)
 
@@ -68,8 +133,11 @@ class RequestStats:
         self._lock = threading.Lock()
         self._pending: defaultdict[int, Counter[str]] = defaultdict(Counter)
 
-    def record(self, outcome: RequestOutcome, latency_s: float, now: float | None = None) -> None:
-        """The request path's only statistics work: a few dictionary increments."""
+    def record(
+        self, outcome: RequestOutcome, latency_s: float, now: float | None = None, key_id: int = 0
+    ) -> None:
+        """The request path's only statistics work: a few dictionary increments (one more
+        for a request with an API key: its usage)."""
         latency_ms = latency_s * 1000
         second = int(time.time() if now is None else now)
         with self._lock:
@@ -77,6 +145,16 @@ class RequestStats:
             counts["req:" + outcome] += 1
             counts[f"lat:{latency_bucket(latency_ms)}"] += 1
             counts["lat_us"] += int(latency_ms * 1000)
+            if key_id:
+                counts[usage_field(key_id, "req:" + outcome)] += 1
+
+    def record_cache(self, hits: int, misses: int, now: float | None = None) -> None:
+        """Items answered from the response cache, and items it was asked for but lacked."""
+        second = int(time.time() if now is None else now)
+        with self._lock:
+            counts = self._pending[second]
+            counts[CACHE_HITS] += hits
+            counts[CACHE_MISSES] += misses
 
     def flush(self, client: redis.Redis) -> int:
         """Write every pending second in one pipeline; returns the number of requests written.
@@ -170,8 +248,9 @@ class Summary:
         return self.requests(outcome) / self.seconds if self.seconds > 0 else 0.0
 
     def demand_rate(self) -> float:
-        """Requests/s that asked for a completion: all but those refused before any batch
-        (bad requests, no valid key, over the key's rate limit)."""
+        """Requests/s that asked a GPU for a completion: all but those refused before any
+        batch (bad requests, no valid key, over the key's rate limit) and those the response
+        cache answered (counted by item: a request of several items may count more)."""
         if not self.seconds:
             return 0.0
         refused = sum(
@@ -182,7 +261,13 @@ class Summary:
                 RequestOutcome.RATE_LIMITED,
             )
         )
-        return (self.requests() - refused) / self.seconds
+        asked = self.requests() - refused - self.counts[CACHE_HITS]
+        return max(0, asked) / self.seconds
+
+    def cache_hit_percent(self) -> float | None:
+        """Of the items the response cache was asked for, the % it answered."""
+        asked = self.counts[CACHE_HITS] + self.counts[CACHE_MISSES]
+        return 100 * self.counts[CACHE_HITS] / asked if asked else None
 
     @property
     def batches(self) -> int:

@@ -176,9 +176,16 @@ SAMPLING_STOP = env_text("SAMPLING_STOP", _DEFAULT_POLICY.stop)
 # (operations.models.SamplingPolicy), which reaches every process within a second.
 # The batch fill the stats page's GPU-count recommendation plans for (the rest is headroom).
 SAMPLING_FILL_TARGET_PERCENT = _policy_int("SAMPLING_FILL_TARGET_PERCENT", "fill_target_percent")
+# The response cache (off by default) and how long a cached completion is served.
+SAMPLING_RESPONSE_CACHE = env_bool("SAMPLING_RESPONSE_CACHE", _DEFAULT_POLICY.response_cache)
+SAMPLING_RESPONSE_CACHE_TTL_S = _policy_int("SAMPLING_RESPONSE_CACHE_TTL_S", "response_cache_ttl_s")
 # How long per-minute statistics rows stay in the database.
 SAMPLING_STATS_RETENTION_DAYS = env_int(
     "SAMPLING_STATS_RETENTION_DAYS", 30, minimum=1, maximum=3650
+)
+# Per-minute usage rows of API keys (what billing reads) are kept longer than statistics.
+SAMPLING_USAGE_RETENTION_DAYS = env_int(
+    "SAMPLING_USAGE_RETENTION_DAYS", 400, minimum=1, maximum=3650
 )
 
 # --- Celery (read by inference_site/celery.py with the CELERY_ namespace) ------------------

@@ -3,17 +3,24 @@ live stats page (/admin/stats/, linked from the admin index) is operations.views
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.urls import reverse
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from batching import access
 from batching.outcomes import RequestOutcome
 from batching.policy import POLL_INTERVAL_S
-from operations.models import ApiKey, PolicyChange, SamplingPolicy, StatsMinute, Tier
+from operations import usage
+from operations.models import ApiKey, PolicyChange, SamplingPolicy, StatsMinute, Tier, UsageMinute
+
+# The admin's usage sums on a key's and a tier's page cover this many days.
+USAGE_DAYS = 30
 
 
 @admin.register(SamplingPolicy)
@@ -27,6 +34,7 @@ class SamplingPolicyAdmin(admin.ModelAdmin[SamplingPolicy]):
         (None, {"fields": ("queue",)}),
         ("Batching", {"fields": ("max_batch_size", "deadline_ms", "max_prompt_bytes")}),
         ("Generation", {"fields": ("max_new_tokens", "temperature", "top_p", "stop")}),
+        ("Response cache", {"fields": ("response_cache", "response_cache_ttl_s")}),
         ("Capacity planning", {"fields": ("fill_target_percent",)}),
         ("Audit", {"fields": ("version", "updated_at", "updated_by", "recent_changes")}),
     )
@@ -70,10 +78,18 @@ class SamplingPolicyAdmin(admin.ModelAdmin[SamplingPolicy]):
 @admin.register(Tier)
 class TierAdmin(admin.ModelAdmin[Tier]):
     list_display = ("name", "priority", "rpm", "tpm", "keys")
+    readonly_fields = ("recent_usage",)
 
     @admin.display(description="keys")
     def keys(self, obj: Tier) -> int:
         return obj.keys.count()
+
+    @admin.display(description=f"usage, last {USAGE_DAYS} days")
+    def recent_usage(self, obj: Tier) -> str:
+        if obj.pk is None:
+            return "-"
+        rows = _recent(UsageMinute.objects.filter(tier=obj.name))
+        return _usage_table(usage.totals(rows, "key"), f"?tier={obj.name}")
 
 
 @admin.register(ApiKey)
@@ -84,8 +100,15 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
     )  # fmt: skip
     list_filter = ("tier", "revoked")
     search_fields = ("name", "owner", "prefix")
-    readonly_fields = ("prefix", "created", "last_used")
+    readonly_fields = ("prefix", "created", "last_used", "recent_usage")
     actions = ("revoke",)
+
+    @admin.display(description=f"usage, last {USAGE_DAYS} days")
+    def recent_usage(self, obj: ApiKey) -> str:
+        if obj.pk is None:
+            return "-"
+        rows = _recent(UsageMinute.objects.filter(key=obj))
+        return _usage_table(usage.totals(rows, "queue"), f"?key__id__exact={obj.pk}")
 
     def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
         raw = None if obj.digest else obj.issue()
@@ -176,6 +199,66 @@ class StatsMinuteAdmin(ReadOnlyAdmin):
     @admin.display(description="GPU busy")
     def busy(self, row: StatsMinute) -> str:
         return _fmt(row.summary.busy_percent(), ".0f", "%")
+
+
+@admin.register(UsageMinute)
+class UsageMinuteAdmin(ReadOnlyAdmin):
+    """Every key's usage per minute and model; above the list, the filtered rows summed per
+    key and per tier."""
+
+    list_display = (
+        "minute", "queue", "key", "tier", "requests_total", "ok", "prompt_tokens",
+        "completion_tokens", "tokens",
+    )  # fmt: skip
+    list_filter = ("tier", "queue", "key")
+    date_hierarchy = "minute"
+    list_select_related = ("key",)
+    readonly_fields = (
+        "minute", "queue", "key", "tier", "requests", "prompt_tokens", "completion_tokens",
+    )  # fmt: skip
+
+    @admin.display(description="requests")
+    def requests_total(self, row: UsageMinute) -> int:
+        return row.total_requests
+
+    @admin.display(description="ok")
+    def ok(self, row: UsageMinute) -> int:
+        return int(row.requests.get(RequestOutcome.OK, 0))
+
+    @admin.display(description="total tokens")
+    def tokens(self, row: UsageMinute) -> int:
+        return row.total_tokens
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> Any:
+        response = super().changelist_view(request, extra_context)
+        context = getattr(response, "context_data", None)
+        if context and "cl" in context:  # not a redirect or an error page
+            rows = context["cl"].queryset.order_by()
+            context["usage_by_key"] = usage.totals(rows, "key")
+            context["usage_by_tier"] = usage.totals(rows, "tier")
+        return response
+
+
+def _recent(rows: QuerySet[UsageMinute]) -> QuerySet[UsageMinute]:
+    return rows.filter(minute__gte=timezone.now() - timedelta(days=USAGE_DAYS)).order_by()
+
+
+def _usage_table(totals: list[usage.Total], query: str) -> str:
+    if not totals:
+        return "-"
+    link = reverse("admin:sampling_usageminute_changelist") + query
+    return format_html(
+        "<table><tr><th></th><th>requests</th><th>ok</th><th>prompt tokens</th>"
+        '<th>completion tokens</th></tr>{}</table><p><a href="{}">per minute</a></p>',
+        format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            ((t.label, t.requests, t.ok, t.prompt_tokens, t.completion_tokens) for t in totals),
+        ),
+        link,
+    )
 
 
 def _fmt(value: float | None, spec: str, unit: str = "") -> str:

@@ -64,6 +64,11 @@ class Dashboard:
             ("bad requests", str(recent.requests(RequestOutcome.BAD_REQUEST))),
             ("unauthorized (401)", str(recent.requests(RequestOutcome.UNAUTHORIZED))),
             ("rate limited (429)", str(recent.requests(RequestOutcome.RATE_LIMITED))),
+            (
+                "response cache hits / misses",
+                f"{recent.counts[stats.CACHE_HITS]:,} / {recent.counts[stats.CACHE_MISSES]:,}"
+                f" ({number(recent.cache_hit_percent(), '.0f', '%')} hits)",
+            ),
             ("latency p50 / p99", f"{number(p50, ',.0f', ' ms')} / {number(p99, ',.0f', ' ms')}"),
             ("batches", f"{recent.batches:,}"),
             ("mean batch", number(recent.mean_batch(), ".1f")),

@@ -4,8 +4,9 @@ sampling.runtime, registered by operations.apps).
 1. The policy in Redis follows the database: republished when Redis lost it (a restart) or
    missed a save (Redis was down at the time).
 2. The API keys and tiers in Redis follow the database the same way.
-3. Completed minutes of statistics go from Redis to StatsMinute rows, and rows older than
-   SAMPLING_STATS_RETENTION_DAYS are deleted. One process at a time does it (a Redis lock),
+3. Completed minutes of statistics go from Redis to StatsMinute rows, the per-key usage in
+   them to UsageMinute rows, and rows older than SAMPLING_STATS_RETENTION_DAYS (usage:
+   SAMPLING_USAGE_RETENTION_DAYS) are deleted. One process at a time does it (a Redis lock),
    and a marker in Redis says which minutes are done, so no minute is written twice. The
    same process copies when each key was last used from Redis to its row.
 """
@@ -15,11 +16,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 
 import redis
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, transaction
 from django.utils import timezone
 
 from batching import access, stats
@@ -29,6 +31,7 @@ from operations.models import (
     ApiKey,
     SamplingPolicy,
     StatsMinute,
+    UsageMinute,
     access_records,
     default_policy,
 )
@@ -49,7 +52,11 @@ def run(client: redis.Redis, queue: str, current: live_policy.Policy) -> None:
         if lock.acquire():
             try:
                 persist_minutes(client, queue, time.time())
-                prune(queue, settings.SAMPLING_STATS_RETENTION_DAYS)
+                prune(
+                    queue,
+                    settings.SAMPLING_STATS_RETENTION_DAYS,
+                    settings.SAMPLING_USAGE_RETENTION_DAYS,
+                )
                 record_last_used(client)
             finally:
                 lock.release()
@@ -89,7 +96,8 @@ def record_last_used(client: redis.Redis) -> int:
 
 
 def persist_minutes(client: redis.Redis, queue: str, now_s: float) -> int:
-    """Write every completed minute not yet written; returns the number of rows written."""
+    """Write every completed minute not yet written, and its keys' usage; returns the number
+    of statistics rows written."""
     last = int(now_s - GRACE_S) // 60 - 1  # the newest minute that has ended
     marker = client.get(QueueKeys(queue).persisted_minute)
     first = last - MAX_BACKLOG_MINUTES if marker is None else int(marker) + 1
@@ -105,17 +113,48 @@ def persist_minutes(client: redis.Redis, queue: str, now_s: float) -> int:
         StatsMinute(
             queue=queue,
             minute=datetime.fromtimestamp(minute * 60, tz=UTC),
-            counts=dict(counts),
+            counts=stats.without_usage(counts),
         )
         for minute, counts in sorted(minutes.items())
     ]
+    usage = usage_rows(queue, minutes)
     # ignore_conflicts: a minute written by a process whose lock expired mid-way stays as is.
-    StatsMinute.objects.bulk_create(rows, ignore_conflicts=True)
+    with transaction.atomic():
+        StatsMinute.objects.bulk_create(rows, ignore_conflicts=True)
+        UsageMinute.objects.bulk_create(usage, ignore_conflicts=True)
     client.set(QueueKeys(queue).persisted_minute, last, ex=stats.TTL_S[stats.TEN_SECONDS])
     return len(rows)
 
 
-def prune(queue: str, retention_days: int) -> int:
-    cutoff = timezone.now() - timedelta(days=retention_days)
-    deleted, _ = StatsMinute.objects.filter(queue=queue, minute__lt=cutoff).delete()
+def usage_rows(queue: str, minutes: Mapping[int, Counter[str]]) -> list[UsageMinute]:
+    """The keys' usage rows of `minutes` (minute number -> counts); a key deleted since keeps
+    its row, without the key."""
+    used = {minute: stats.usage_of(counts) for minute, counts in minutes.items()}
+    key_ids = {key_id for usage in used.values() for key_id in usage}
+    tiers = dict(ApiKey.objects.filter(pk__in=key_ids).values_list("pk", "tier__name"))
+    return [
+        UsageMinute(
+            queue=queue,
+            minute=datetime.fromtimestamp(minute * 60, tz=UTC),
+            key_id=key_id if key_id in tiers else None,
+            tier=tiers.get(key_id, ""),
+            requests=dict(usage.requests),
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+        )
+        for minute, by_key in sorted(used.items())
+        for key_id, usage in sorted(by_key.items())
+    ]
+
+
+def prune(queue: str, retention_days: int, usage_retention_days: int | None = None) -> int:
+    """Delete the queue's rows past their retention; returns the statistics rows deleted."""
+    now = timezone.now()
+    deleted, _ = StatsMinute.objects.filter(
+        queue=queue, minute__lt=now - timedelta(days=retention_days)
+    ).delete()
+    if usage_retention_days is not None:
+        UsageMinute.objects.filter(
+            queue=queue, minute__lt=now - timedelta(days=usage_retention_days)
+        ).delete()
     return deleted

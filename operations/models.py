@@ -113,6 +113,17 @@ class SamplingPolicy(models.Model):
         validators=_bounded("fill_target_percent", "%"),
         help_text="The batch fill the GPU-count recommendation plans for; the rest is headroom.",
     )
+    response_cache = models.BooleanField(
+        default=_default("response_cache"),
+        help_text="Answer a greedy or seeded request from the completion of an identical earlier "
+        "one, without a GPU.",
+    )
+    response_cache_ttl_s = models.PositiveIntegerField(
+        "response cache TTL (s)",
+        default=_default("response_cache_ttl_s"),
+        validators=_bounded("response_cache_ttl_s", "s"),
+        help_text="How long a cached completion is served after it was sampled.",
+    )
     version = models.PositiveIntegerField(default=0, editable=False)
     updated_at = models.DateTimeField(auto_now=True)
     updated_by = models.CharField(max_length=150, blank=True, editable=False)
@@ -193,6 +204,12 @@ def _withdraw(queue: str) -> None:
         live_policy.withdraw(redis_client(), queue)
     except redis.RedisError as exc:
         log.error("policy of %s deleted but not yet withdrawn: %s", queue, exc)
+
+
+def known_queues() -> list[str]:
+    """This node's queue and every queue with a policy row."""
+    queues = SamplingPolicy.objects.values_list("queue", flat=True)
+    return sorted({settings.SAMPLING_QUEUE, *queues})
 
 
 class PolicyChange(models.Model):
@@ -382,3 +399,44 @@ def publish_access() -> None:
     except redis.RedisError as exc:
         # Saved all the same: housekeeping republishes what differs once Redis answers.
         log.error("API keys saved but not yet published: %s", exc)
+
+
+class UsageMinute(models.Model):
+    """One minute of one API key's use of one model (queue): requests by outcome and tokens,
+    from the per-key fields of the statistics buckets (batching/stats.py), written with the
+    minute's StatsMinute row and pruned with it. The key's tier is kept as it was then."""
+
+    queue = models.CharField("model", max_length=64)
+    minute = models.DateTimeField()
+    key = models.ForeignKey(
+        ApiKey, on_delete=models.SET_NULL, null=True, related_name="usage", db_index=False
+    )
+    tier = models.CharField(max_length=32, help_text="The key's tier at the time.")
+    requests = models.JSONField(help_text="Requests by outcome.")
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-minute"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["queue", "minute", "key"], name="one_usage_row_per_queue_minute_key"
+            )
+        ]
+        indexes = [
+            models.Index(fields=["key", "minute"]),
+            models.Index(fields=["tier", "minute"]),
+            models.Index(fields=["minute"], name="usage_minute_idx"),
+        ]
+        verbose_name = "usage minute"
+
+    def __str__(self) -> str:
+        return f"{self.key or 'deleted key'} on {self.queue} {self.minute:%Y-%m-%d %H:%M}"
+
+    @property
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens

@@ -9,7 +9,7 @@ from django.template.response import TemplateResponse
 from django.utils.safestring import mark_safe
 
 from operations import dashboard
-from operations.models import SamplingPolicy, default_policy
+from operations.models import SamplingPolicy, default_policy, known_queues
 from sampling.runtime import redis_client, web_process
 
 
@@ -28,9 +28,7 @@ def stats_page(request: HttpRequest) -> HttpResponse:
         "board": board,
         # Built from numbers, every text escaped (operations.charts).
         "charts": [mark_safe(svg) for svg in board.charts],  # noqa: S308
-        "queues": sorted(
-            {settings.SAMPLING_QUEUE, *SamplingPolicy.objects.values_list("queue", flat=True)}
-        ),
+        "queues": known_queues(),
         "refresh_s": 5,
         "retention_days": settings.SAMPLING_STATS_RETENTION_DAYS,
     }

@@ -84,7 +84,7 @@ class Invalid(Exception):
         self.headers = headers or {}
 
 
-def _json(status: int, data: Any, headers: dict[str, str] | None = None) -> HttpResponse:
+def json_response(status: int, data: Any, headers: dict[str, str] | None = None) -> HttpResponse:
     body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     response = HttpResponse(body, status=status, content_type=JSON)
     for name, value in (headers or {}).items():
@@ -92,22 +92,22 @@ def _json(status: int, data: Any, headers: dict[str, str] | None = None) -> Http
     return response
 
 
-def _openai_error(
+def openai_error(
     status: int, message: str, error_type: str, param: str | None, code: str | None,
     headers: dict[str, str] | None = None,
 ) -> HttpResponse:  # fmt: skip
     error = {"message": message, "type": error_type, "param": param, "code": code}
-    return _json(status, {"error": error}, headers)
+    return json_response(status, {"error": error}, headers)
 
 
-def _failure_response(failure: Failure) -> HttpResponse:
+def openai_failure(failure: Failure) -> HttpResponse:
     error_type, code = OPENAI_ERRORS[failure.problem]
-    return _openai_error(failure.status, failure.message, error_type, None, code)
+    return openai_error(failure.status, failure.message, error_type, None, code)
 
 
-def _invalid_response(invalid: Invalid) -> HttpResponse:
+def openai_invalid(invalid: Invalid) -> HttpResponse:
     error_type = "not_found_error" if invalid.status == 404 else "invalid_request_error"
-    return _openai_error(
+    return openai_error(
         invalid.status, invalid.message, error_type, invalid.param, invalid.code, invalid.headers
     )
 
@@ -252,7 +252,7 @@ def _completions(
             _check_size(prompt, policy, "prompt" if len(prompts) == 1 else f"prompt.{index}")
         items = _requests(prompts, (), parsed)
     except Invalid as invalid:
-        return RequestOutcome.BAD_REQUEST, _invalid_response(invalid)
+        return RequestOutcome.BAD_REQUEST, openai_invalid(invalid)
     echoed = prompts if parsed.echo else None
     return _generate(process, caller, arrival, policy, items, model, parsed, echoed, chat=False)
 
@@ -269,7 +269,7 @@ def _chat_completions(
         _check_size("".join(content for _, content in chat), policy, "messages")
         items = _requests(None, chat, parsed)
     except Invalid as invalid:
-        return RequestOutcome.BAD_REQUEST, _invalid_response(invalid)
+        return RequestOutcome.BAD_REQUEST, openai_invalid(invalid)
     return _generate(process, caller, arrival, policy, items, model, parsed, None, chat=True)
 
 
@@ -290,11 +290,13 @@ def _generate(
         process, caller, items, arrival + policy.deadline_ms / 1000, policy.deadline_ms
     )
     if isinstance(answers, Failure):
-        return answers.outcome, answer_failure(_failure_response, answers)
+        return answers.outcome, answer_failure(openai_failure, answers)
     texts = [answer[1] for answer in answers]
     if echoed is not None:  # `echo`: each choice after its prompt
         texts = [echoed[index // parsed.n] + text for index, text in enumerate(texts)]
-    return RequestOutcome.OK, _answer(model, parsed, answers, texts, chat=chat)
+    return RequestOutcome.OK, answers.cache_header(
+        _answer(model, parsed, answers, texts, chat=chat)
+    )
 
 
 def _finish_reason(answer: list[Any]) -> str:
@@ -349,7 +351,7 @@ def _answer(
             }
             for index, (answer, text) in enumerate(zip(answers, texts, strict=True))
         ]
-    return _json(200, {**head, "choices": choices, "usage": usage})
+    return json_response(200, {**head, "choices": choices, "usage": usage})
 
 
 def _stream(
@@ -394,8 +396,8 @@ def _stream(
     return response
 
 
-completions = counted(_completions, _failure_response)
-chat_completions = counted(_chat_completions, _failure_response)
+completions = counted(_completions, openai_failure)
+chat_completions = counted(_chat_completions, openai_failure)
 
 
 def _live_models(process: WebProcess) -> dict[str, Any]:
@@ -424,40 +426,40 @@ def _live_models(process: WebProcess) -> dict[str, Any]:
 def models(request: HttpRequest) -> HttpResponse:
     process = web_process()
     try:
-        _body_free(request)
+        body_free(request)
     except Invalid as invalid:
-        return _invalid_response(invalid)
+        return openai_invalid(invalid)
     caller = authenticate(request, process)
     if isinstance(caller, Failure):
-        return answer_failure(_failure_response, caller)
-    return _json(200, {"object": "list", "data": [_live_models(process)]})
+        return answer_failure(openai_failure, caller)
+    return json_response(200, {"object": "list", "data": [_live_models(process)]})
 
 
 @csrf_exempt
 def model(request: HttpRequest, model_id: str) -> HttpResponse:
     process = web_process()
     try:
-        _body_free(request)
+        body_free(request)
     except Invalid as invalid:
-        return _invalid_response(invalid)
+        return openai_invalid(invalid)
     caller = authenticate(request, process)
     if isinstance(caller, Failure):
-        return answer_failure(_failure_response, caller)
+        return answer_failure(openai_failure, caller)
     try:
         _check_model(model_id, process)
     except Invalid as invalid:
-        return _invalid_response(invalid)
-    return _json(200, _live_models(process))
+        return openai_invalid(invalid)
+    return json_response(200, _live_models(process))
 
 
 @csrf_exempt
 def not_found(request: HttpRequest) -> HttpResponse:
-    return _openai_error(
+    return openai_error(
         404, f"no such endpoint: {request.path}", "not_found_error", None, "unknown_url"
     )
 
 
-def _body_free(request: HttpRequest) -> None:
+def body_free(request: HttpRequest) -> None:
     if request.method not in ("GET", "HEAD"):
         raise Invalid(f"use GET on {request.path}", status=405, code="method_not_allowed",
                       headers={"Allow": "GET, HEAD"})  # fmt: skip
@@ -466,9 +468,9 @@ def _body_free(request: HttpRequest) -> None:
 @csrf_exempt
 def openapi(request: HttpRequest) -> HttpResponse:
     try:
-        _body_free(request)
+        body_free(request)
     except Invalid as invalid:
-        return _invalid_response(invalid)
+        return openai_invalid(invalid)
     return HttpResponse(_openapi_json(), content_type=JSON)
 
 
@@ -490,9 +492,9 @@ def _inference(
         _check_size(parsed.input, policy, "input")
     except Invalid as invalid:
         if invalid.status == 405:
-            return RequestOutcome.BAD_REQUEST, _invalid_response(invalid)
+            return RequestOutcome.BAD_REQUEST, openai_invalid(invalid)
         error = {"error": "INVALID_REQUEST", "message": invalid.message}
-        return RequestOutcome.BAD_REQUEST, _json(400, error)
+        return RequestOutcome.BAD_REQUEST, json_response(400, error)
     answers = submit(process, caller, [parsed.input], arrival + policy.deadline_ms / 1000,
                      policy.deadline_ms)  # fmt: skip
     if isinstance(answers, Failure):
@@ -501,14 +503,15 @@ def _inference(
         return answers.outcome, response
     latency_ms = round((time.monotonic() - arrival) * 1000, 2)
     output = {"output": answers[0][1], "request_id": request_id, "latency_ms": latency_ms}
-    return RequestOutcome.OK, _json(200, output, {"X-Request-ID": request_id})
+    response = json_response(200, output, {"X-Request-ID": request_id})
+    return RequestOutcome.OK, answers.cache_header(response)
 
 
 def _inference_failure(failure: Failure) -> HttpResponse:
     body: dict[str, Any] = {"error": INFERENCE_ERRORS[failure.problem], "message": failure.message}
     if failure.retry_after_s:
         body["retry_after_ms"] = failure.retry_after_s * 1000
-    return _json(failure.status, body)
+    return json_response(failure.status, body)
 
 
 inference = counted(_inference, _inference_failure)

@@ -40,6 +40,21 @@ REQUEST_LATENCY = Histogram(
 REQUESTS_BY_OUTCOME = {outcome: REQUESTS.labels(outcome=outcome) for outcome in RequestOutcome}
 
 
+CACHE_LOOKUPS = Counter(
+    "sampling_cache_lookups",
+    "Items the response cache was asked for, by result (hit: answered from the cache, no GPU)",
+    ["result"],
+)
+CACHE_RESULTS = {result: CACHE_LOOKUPS.labels(result=result) for result in ("hit", "miss")}
+
+
+def record_cache(hits: int, misses: int) -> None:
+    if hits:
+        CACHE_RESULTS["hit"].inc(hits)
+    if misses:
+        CACHE_RESULTS["miss"].inc(misses)
+
+
 def record_request(outcome: RequestOutcome, latency_s: float) -> None:
     REQUESTS_BY_OUTCOME[outcome].inc()
     REQUEST_LATENCY.observe(latency_s)

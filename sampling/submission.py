@@ -11,6 +11,7 @@ that each endpoint words in its own format (plain text on /sample, OpenAI's erro
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -26,6 +27,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from batching import cache
 from batching.access import Caller
 from batching.aggregator import RateCounter
 from batching.generation import SampleRequest
@@ -143,7 +145,8 @@ def counted(handle: Handler, words: Words) -> Callable[[HttpRequest], HttpRespon
             for header, value in process.limiter.headers(caller).items():
                 response[header] = value
         latency_s = time.monotonic() - arrival
-        process.stats.record(outcome, latency_s)
+        key_id = 0 if isinstance(caller, Failure) else caller.key_id
+        process.stats.record(outcome, latency_s, key_id=key_id)
         metrics.record_request(outcome, latency_s)
         return response
 
@@ -155,24 +158,39 @@ def _unavailable() -> Failure:
     return Failure(Problem.UNAVAILABLE, QUEUE_UNAVAILABLE, 1)
 
 
+class Answers(list[list[Any]]):
+    """A request's answers, one per item, and what the response cache did for it: "hit" (every
+    item answered from it), "miss" (some item sampled), or "" (the cache not asked)."""
+
+    cache: str = ""
+
+    def cache_header(self, response: HttpResponse) -> HttpResponse:
+        if self.cache:
+            response["x-cache"] = self.cache
+        return response
+
+
 def submit(
     process: WebProcess,
     caller: Caller,
     items: Sequence[str | SampleRequest],
     deadline: float,
     deadline_ms: int,
-) -> list[list[Any]] | Failure:
+) -> Answers | Failure:
     """Every item's answer ([ItemOutcome.OK, text, ...] each, in order), or why the request
     gets none. `deadline` is monotonic; `deadline_ms` the policy's, for messages. The items of
     a caller with a request limit join its key's shard, and the first raises its counter
-    (batching.ratelimit)."""
+    (batching.ratelimit). With the response cache on, an item whose output its input
+    determines is looked up in the same call (batching.cache): a hit joins no batch."""
     aggregator, limiter = process.aggregator, process.limiter
     shard = aggregator.shard_of_key(caller.key_id) if caller.rpm else None
     now_s = time.time()
     counter_key = limiter.counter(caller, aggregator.shards[shard or 0], now_s)
     counter = RateCounter(counter_key, limiter.needs_expiry(caller, now_s)) if counter_key else None
+    policy = process.watcher.current
+    digests = [cache.digest_of(aggregator.queue, item, policy) for item in items]
     tickets = []
-    for item in items:
+    for item, digest in zip(items, digests, strict=True):
         try:
             ticket = aggregator.append(
                 item,
@@ -180,6 +198,7 @@ def submit(
                 shard,
                 key_id=caller.key_id,
                 counter=counter,
+                cache=digest,
             )
         except redis.RedisError as exc:
             log.error("cannot reach Redis to queue a request: %s", exc)
@@ -198,9 +217,18 @@ def submit(
             return _unavailable()
         tickets.append(ticket)
 
-    answers = []
+    answers = Answers()
+    asked = sum(1 for digest in digests if digest)
+    if asked:
+        hits = sum(1 for ticket in tickets if ticket.cached is not None)
+        answers.cache = "hit" if hits == len(items) else "miss"
+        process.stats.record_cache(hits, asked - hits)
+        metrics.record_cache(hits, asked - hits)
     batches: dict[str, list[list[Any]]] = {}  # several items may share a batch
     for ticket in tickets:
+        if ticket.cached is not None:
+            answers.append(json.loads(ticket.cached))
+            continue
         try:
             results = batches.get(ticket.batch_id)
             if results is None:

@@ -66,7 +66,7 @@ def _sample(
     answers = submit(process, caller, [prompt], arrival + deadline_ms / 1000, deadline_ms)
     if isinstance(answers, Failure):
         return answers.outcome, answer_failure(_failure, answers)
-    return RequestOutcome.OK, _text(200, answers[0][1])
+    return RequestOutcome.OK, answers.cache_header(_text(200, answers[0][1]))
 
 
 def _failure(failure: Failure) -> HttpResponse:

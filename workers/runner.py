@@ -61,9 +61,10 @@ class Turn:
     began: float  # perf_counter when the seal started
     sampler_ms: float = 0.0
     ended: float = 0.0  # perf_counter when the last call returned
-    # API key id (0: anonymous) -> completion tokens sampled for its items: charged to the
-    # keys' token rate windows when the turn is reported.
-    tokens_by_key: dict[int, int] = field(default_factory=dict)
+    # API key id (0: anonymous) -> (prompt tokens, completion tokens) of its items sampled:
+    # the keys' usage, and the completion tokens charged to their token rate windows, when
+    # the turn is reported.
+    tokens_by_key: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def answers(self) -> list[Result]:
@@ -209,7 +210,7 @@ class BatchRunner:
         items: list[Item],
         indexes: list[int],
         results: dict[int, Result],
-        tokens_by_key: dict[int, int],
+        tokens_by_key: dict[int, tuple[int, int]],
     ) -> float:
         """One sampler call for items[indexes]; fills their results; returns its ms."""
         rows: list[Row] = []
@@ -234,8 +235,11 @@ class BatchRunner:
                 results[index] = _answer(items[index], completion)
                 if not isinstance(completion, PromptRejected):
                     key_id = items[index].key_id
-                    tokens = completion.completion_tokens
-                    tokens_by_key[key_id] = tokens_by_key.get(key_id, 0) + tokens
+                    prompt, sampled = tokens_by_key.get(key_id, (0, 0))
+                    tokens_by_key[key_id] = (
+                        prompt + completion.prompt_tokens,
+                        sampled + completion.completion_tokens,
+                    )
         except Exception as exc:  # any sampler failure fails this call's items, not the worker
             log.exception("sampler %s failed on batch %s", self.sampler.name, batch_id)
             reason = f"sampler failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
@@ -288,15 +292,26 @@ class BatchRunner:
             calls=calls,
             max_batch_size=policy.max_batch_size,
         )
+        statistics.update(stats.token_counts(turn.tokens_by_key))
+        charges = {key_id: tokens[1] for key_id, tokens in turn.tokens_by_key.items()}
+        # The answers the response cache keeps: sampled ones of the items that asked for it.
+        cached = {
+            item.cache: json.dumps(answer)
+            for item, answer in zip(sealed.items, results, strict=True)
+            if item.cache and answer[0] == ItemOutcome.OK
+        }
+        cache_ttl_ms = policy.response_cache_ttl_s * 1000
         now_s = time.time()
         if pipe is not None:
             self.aggregator.queue_record(pipe, json.dumps(record), statistics, now_s)
-            ratelimit.queue_token_charges(pipe, turn.tokens_by_key, now_s)
+            ratelimit.queue_token_charges(pipe, charges, now_s)
+            self.aggregator.queue_cached_answers(pipe, cached, cache_ttl_ms)
             return
         try:
             with self.aggregator.client.pipeline(transaction=False) as own:
                 self.aggregator.queue_record(own, json.dumps(record), statistics, now_s)
-                ratelimit.queue_token_charges(own, turn.tokens_by_key, now_s)
+                ratelimit.queue_token_charges(own, charges, now_s)
+                self.aggregator.queue_cached_answers(own, cached, cache_ttl_ms)
                 own.execute()
         except Exception:  # a lost record must never lose the batch's answers
             log.exception("could not record batch %s", batch_id)

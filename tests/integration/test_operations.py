@@ -75,6 +75,7 @@ def policy_form(queue: str, **changes: str) -> dict[str, str]:
         "queue": queue, "max_batch_size": "100", "deadline_ms": "500",
         "max_prompt_bytes": "8192", "max_new_tokens": "32", "temperature": "0", "top_p": "1",
         "stop": "", "fill_target_percent": "90",
+        "response_cache_ttl_s": str(Policy().response_cache_ttl_s),  # the form's default
     }  # fmt: skip
     return {**fields, **changes}
 

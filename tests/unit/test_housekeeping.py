@@ -8,14 +8,23 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import redis
+from django.test import override_settings
 from django.utils import timezone
 
 from batching import stats
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
-from operations import housekeeping
-from operations.models import PolicyChange, SamplingPolicy, StatsMinute, default_policy
+from operations import housekeeping, usage
+from operations.models import (
+    ApiKey,
+    PolicyChange,
+    SamplingPolicy,
+    StatsMinute,
+    Tier,
+    UsageMinute,
+    default_policy,
+)
 from sampling import runtime
 from tests.support import unique_queue
 
@@ -93,3 +102,51 @@ def test_minutes_are_persisted_once_and_pruned(live_redis: redis.Redis, settings
     )
     assert housekeeping.prune(queue, retention_days=30) == 1  # the 31-day-old row only
     assert StatsMinute.objects.filter(queue=queue).count() == 2
+
+
+def test_usage_goes_to_its_own_rows_and_reads_back_whole_across_the_marker(
+    live_redis: redis.Redis,
+) -> None:
+    queue = unique_queue("use")
+    tier = Tier.objects.get(name="plus")
+    key = ApiKey(name="metered", tier=tier)
+    key.issue()
+    key.save()
+    now = 1_800_000_000.0 - 1_800_000_000 % 60 + 30
+    minute = int(now) // 60 * 60
+    old = {
+        stats.usage_field(key.pk, "req:" + RequestOutcome.OK): 3,
+        stats.usage_field(key.pk, "req:" + RequestOutcome.RATE_LIMITED): 1,
+        **stats.token_counts({key.pk: (12, 30), 0: (5, 5)}),  # anonymous: no key's usage
+        "req:ok": 4,
+    }
+    recent = {stats.usage_field(key.pk, "req:" + RequestOutcome.OK): 2,
+              **stats.token_counts({key.pk: (7, 9)})}  # fmt: skip
+    with live_redis.pipeline() as pipe:
+        stats.add_counts(pipe, queue, minute - 120 + 5, old)
+        stats.add_counts(pipe, queue, now, recent)  # the current minute: not persisted yet
+        pipe.execute()
+    housekeeping.persist_minutes(live_redis, queue, now)
+    [row] = UsageMinute.objects.filter(queue=queue)
+    assert (row.key, row.tier, row.prompt_tokens, row.completion_tokens) == (key, "plus", 12, 30)
+    assert row.requests == {RequestOutcome.OK: 3, RequestOutcome.RATE_LIMITED: 1}
+    [statistics] = StatsMinute.objects.filter(queue=queue)
+    assert statistics.counts == {"req:ok": 4}  # the queue's figures only
+
+    day = datetime.fromtimestamp(now, tz=UTC).date()
+    with override_settings(SAMPLING_QUEUE=queue):
+        [used] = usage.usage_of_key(live_redis, key.pk, day, now)
+    assert used.model == queue
+    assert used.usage.requests == {RequestOutcome.OK: 5, RequestOutcome.RATE_LIMITED: 1}
+    assert (used.usage.prompt_tokens, used.usage.completion_tokens) == (19, 39)
+    # A minute persisted after the marker was read is not counted twice: rows past the
+    # marker are left to Redis.
+    live_redis.set(QueueKeys(queue).persisted_minute, minute // 60 - 3)
+    with override_settings(SAMPLING_QUEUE=queue):
+        [again] = usage.usage_of_key(live_redis, key.pk, day, now)
+    assert again.usage == used.usage
+
+    [by_tier] = usage.totals(UsageMinute.objects.filter(queue=queue), "tier")
+    assert (by_tier.label, by_tier.requests, by_tier.ok, by_tier.total_tokens) == ("plus", 4, 3, 42)
+    key.delete()  # the rows stay, without the key
+    assert UsageMinute.objects.get(queue=queue).key is None

@@ -82,8 +82,11 @@ class Sampler(abc.ABC):
             if isinstance(text, PromptRejected):
                 completions.append(text)
                 continue
-            if row.bare:  # a /sample row: the text as `sample` wrote it
-                completions.append(Completion(str(text), FinishReason.LENGTH, 0, 0))
+            if row.bare:  # a /sample row: the text as `sample` wrote it (tokens: its usage)
+                prompt_tokens, text_tokens = self.count_tokens(row.prompt), self.count_tokens(text)
+                completions.append(
+                    Completion(str(text), FinishReason.LENGTH, prompt_tokens, text_tokens)
+                )
                 continue
             cut, stopped = cut_at_stop(str(text), row.settings.stop)
             reason = FinishReason.STOP if stopped else FinishReason.LENGTH

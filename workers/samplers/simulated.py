@@ -105,7 +105,8 @@ class SimulatedSampler(Sampler):
                 completions.append(text)
                 continue
             if row.bare:  # a /sample row: the contract's answer, whatever the policy
-                completions.append(Completion(text, FinishReason.STOP, 0, 0))
+                tokens = self.count_tokens(row.prompt), self.count_tokens(text)
+                completions.append(Completion(text, FinishReason.STOP, *tokens))
                 continue
             answer, reason = expected_row_completion(row.prompt, row.settings)
             completions.append(

@@ -1,0 +1,182 @@
+"""What an API key used: `GET /v1/usage?date=YYYY-MM-DD` for the calling key, and the sums the
+admin shows per key and per tier.
+
+A key's usage lives in two places: the UsageMinute rows of the minutes housekeeping has
+persisted (operations.housekeeping), and the statistics buckets in Redis for the minutes
+after them (the current one included, up to the web processes' last flush, a second ago).
+The queue's persisted-minute marker splits the two, so a minute is counted once whichever
+side holds it when the request reads.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+
+import redis
+from django.db.models import QuerySet, Sum
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from batching import stats
+from batching.keys import QueueKeys
+from batching.outcomes import RequestOutcome
+from operations.models import ApiKey, UsageMinute, known_queues
+from sampling.api import (
+    Invalid,
+    body_free,
+    json_response,
+    openai_error,
+    openai_failure,
+    openai_invalid,
+)
+from sampling.runtime import redis_client, web_process
+from sampling.submission import Failure, Problem, answer_failure, authenticate
+
+
+@dataclass
+class ModelUsage:
+    model: str
+    usage: stats.Usage
+
+    def as_json(self) -> dict[str, object]:
+        usage = self.usage
+        return {
+            "model": self.model,
+            "usage": {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            },
+            "requests": {"total": sum(usage.requests.values()), **dict(usage.requests)},
+        }
+
+
+def usage_of_key(client: redis.Redis, key_id: int, day: date, now_s: float) -> list[ModelUsage]:
+    """The key's usage per model over the UTC day `day`, up to `now_s`."""
+    start = datetime(day.year, day.month, day.day, tzinfo=UTC)
+    end = start + timedelta(days=1)
+    found: dict[str, stats.Usage] = {}
+    for queue in sorted({*known_queues(), *_queues_used(key_id, start, end)}):
+        marker = client.get(QueueKeys(queue).persisted_minute)
+        rows = UsageMinute.objects.filter(queue=queue, key_id=key_id, minute__gte=start)
+        rows = rows.filter(minute__lt=end)
+        if marker is not None:  # minutes after it are in Redis only (or in both: not read here)
+            persisted_until = datetime.fromtimestamp((int(marker) + 1) * 60, tz=UTC)
+            rows = rows.filter(minute__lt=persisted_until)
+            unpersisted_from = max(start.timestamp(), persisted_until.timestamp())
+        else:  # Redis lost its buckets with the marker: the rows are all there is
+            unpersisted_from = end.timestamp()
+        usage = _sum_rows(rows)
+        last = min(end.timestamp(), now_s + stats.TEN_SECONDS)
+        if unpersisted_from < last:
+            buckets = stats.read_buckets(
+                client, queue, stats.TEN_SECONDS, int(unpersisted_from), int(last)
+            )
+            for _, counts in buckets:
+                recent = stats.usage_of(counts).get(key_id)
+                if recent is not None:
+                    usage.add(recent)
+        if usage.requests or usage.prompt_tokens or usage.completion_tokens:
+            found[queue] = usage
+    return [ModelUsage(queue, usage) for queue, usage in sorted(found.items())]
+
+
+@dataclass(frozen=True)
+class Total:
+    """One line of the admin's usage sums: a key or a tier, over the rows it was given."""
+
+    label: str
+    requests: int
+    ok: int
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def totals(rows: QuerySet[UsageMinute], by: str) -> list[Total]:
+    """`rows` summed per key (`by="key"`) or per tier (`by="tier"`), the most tokens first."""
+    requests: dict[object, Counter[str]] = {}
+    for group, by_outcome in rows.values_list(by, "requests"):
+        requests.setdefault(group, Counter()).update(by_outcome)
+    sums = rows.values(by).annotate(
+        prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens")
+    )
+    labels = _key_labels({row[by] for row in sums}) if by == "key" else {}
+    found = [
+        Total(
+            labels.get(row[by], str(row[by] or "(deleted key)")),
+            sum(requests.get(row[by], Counter()).values()),
+            requests.get(row[by], Counter())[RequestOutcome.OK],
+            row["prompt"] or 0,
+            row["completion"] or 0,
+        )
+        for row in sums
+    ]
+    return sorted(found, key=lambda total: (-total.total_tokens, -total.requests, total.label))
+
+
+def _key_labels(key_ids: set[object]) -> dict[object, str]:
+    return {key.pk: str(key) for key in ApiKey.objects.filter(pk__in=key_ids)}
+
+
+def _queues_used(key_id: int, start: datetime, end: datetime) -> set[str]:
+    return set(
+        UsageMinute.objects.filter(key_id=key_id, minute__gte=start, minute__lt=end)
+        .values_list("queue", flat=True)
+        .distinct()
+    )
+
+
+def _sum_rows(rows: QuerySet[UsageMinute]) -> stats.Usage:
+    requests: Counter[str] = Counter()
+    for by_outcome in rows.values_list("requests", flat=True):
+        requests.update(by_outcome)
+    tokens = rows.aggregate(prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))
+    return stats.Usage(requests, tokens["prompt"] or 0, tokens["completion"] or 0)
+
+
+def _day(raw: str | None, today: date) -> date:
+    if raw is None or raw == "":
+        return today
+    try:
+        return date.fromisoformat(raw)
+    except ValueError:
+        raise Invalid(f"date must be YYYY-MM-DD, got {raw[:40]!r}", "date") from None
+
+
+@csrf_exempt  # a POST gets a 405, not the CSRF page
+def usage_view(request: HttpRequest) -> HttpResponse:
+    """The calling key's usage per model on one UTC day (?date=, by default today), in the
+    shape `{"object": "list", "date", "data": [{"model", "usage": {...}, "requests": {...}}]}`;
+    requests without a key get 401 (usage is per key)."""
+    try:
+        body_free(request)
+    except Invalid as invalid:
+        return openai_invalid(invalid)
+    caller = authenticate(request, web_process())
+    if isinstance(caller, Failure):
+        return answer_failure(openai_failure, caller)
+    if caller.key_id == 0:
+        response = openai_error(
+            401, "usage is counted per API key: send Authorization: Bearer <key>",
+            "invalid_request_error", None, "missing_api_key",
+        )  # fmt: skip
+        response["WWW-Authenticate"] = 'Bearer realm="sampling"'
+        return response
+    now = datetime.now(tz=UTC)
+    try:
+        day = _day(request.GET.get("date"), now.date())
+    except Invalid as invalid:
+        return openai_invalid(invalid)
+    try:
+        used = usage_of_key(redis_client(), caller.key_id, day, now.timestamp())
+    except redis.RedisError:
+        unavailable = Failure(Problem.UNAVAILABLE, "usage cannot be read: Redis unavailable", 1)
+        return answer_failure(openai_failure, unavailable)
+    data = [model_usage.as_json() for model_usage in used]
+    return json_response(200, {"object": "list", "date": day.isoformat(), "data": data})

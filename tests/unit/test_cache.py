@@ -1,0 +1,73 @@
+"""The response cache against a real Redis: which requests it may answer, the digest that
+names an answer, and the append that returns a cached answer instead of joining a batch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import redis
+
+from batching import cache
+from batching.aggregator import BatchAggregator, RateCounter
+from batching.generation import SampleRequest
+from batching.outcomes import ItemOutcome
+from batching.policy import Policy
+from tests.support import unique_queue
+
+ON = Policy(response_cache=True, temperature=0.0)
+
+
+def test_only_inputs_that_determine_their_output_are_cached() -> None:
+    queue = "q"
+    assert cache.digest_of(queue, "E equals ", Policy()) == ""  # off by default
+    greedy = cache.digest_of(queue, "E equals ", ON)
+    assert greedy
+    assert greedy == cache.digest_of(queue, "E equals ", ON)
+    assert cache.digest_of(queue, "E equals ", replace(ON, temperature=0.7)) == ""
+    hot = SampleRequest(prompt="E equals ", temperature=0.7)
+    assert cache.digest_of(queue, hot, ON) == ""
+    seeded = cache.digest_of(queue, replace(hot, seed=3), ON)
+    assert seeded
+    # Every setting, the model, the endpoint's shape and the policy's defaults are part of it.
+    others = {
+        cache.digest_of(queue, replace(hot, seed=4), ON),
+        cache.digest_of(queue, replace(hot, seed=3, max_tokens=5), ON),
+        cache.digest_of(queue, replace(hot, seed=3, stop=("x",)), ON),
+        cache.digest_of("other", replace(hot, seed=3), ON),
+        cache.digest_of(queue, SampleRequest(prompt="E equals "), ON),
+        cache.digest_of(queue, "E equals ", replace(ON, max_new_tokens=7)),
+        cache.digest_of(queue, SampleRequest(messages=(("user", "E equals "),)), ON),
+    }
+    assert len(others | {seeded, greedy}) == len(others) + 2
+
+
+def test_a_cached_answer_is_returned_by_the_append_and_joins_no_batch(
+    redis_client: redis.Redis,
+) -> None:
+    aggregator = BatchAggregator(redis_client, unique_queue("cache"), shards=2)
+    digest = cache.digest_of(aggregator.queue, "E equals ", ON)
+    miss = aggregator.append("E equals ", 500, shard=0, cache=digest)
+    assert miss.cached is None
+    assert miss.index == 0
+    [item] = aggregator.seal(miss.batch_id).items
+    assert item.cache == digest
+    assert item.prompt == "E equals "
+    answer = [ItemOutcome.OK, "MC squared"]
+    with redis_client.pipeline() as pipe:
+        aggregator.queue_cached_answers(pipe, {digest: json.dumps(answer)}, 60_000)
+        pipe.execute()
+    counter = aggregator.shards[1].requests_counter(9, 1)
+    for shard in (0, 1):  # every shard has it
+        hit = aggregator.append(
+            "E equals ", 500, shard=shard, key_id=9, counter=RateCounter(counter), cache=digest
+        )
+        assert hit.cached is not None
+        assert json.loads(hit.cached) == answer
+        assert hit.batch_id == ""
+        assert aggregator.open_batch_id(shard) is None  # nothing joined a batch
+    assert hit.counted == 2  # a hit is a request all the same: the rate counter counts it
+    assert 0 < redis_client.pttl(aggregator.shards[0].cached(digest)) <= 60_000
+    other = aggregator.append("E equals again ", 500, shard=0, cache="0" * 32)
+    assert other.cached is None
+    assert aggregator.open_batch_id(0) == other.batch_id
