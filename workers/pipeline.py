@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import redis
 
+from batching.topology import is_cluster
 from workers.runner import BatchRunner, Result, Turn
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class BatchPipeline:
         is cut off, and must not return (the process exits). `call_timeout_ms` None: the
         automatic timeout from the call estimate."""
         self.runner = runner
+        self._cluster = is_cluster(runner.aggregator.client)
         self._queue_answers = queue_answers
         self._store_failure = store_failure
         self._resend = resend
@@ -240,10 +242,15 @@ class BatchPipeline:
                 if isinstance(outcome, Exception):
                     self._store_failure(batch_id, outcome)
                     continue
-                # The answers, then the record and statistics: one round trip.
+                # The answers, then the record and statistics: one round trip. On a cluster
+                # the record also writes to other masters' slots (token charges, the cache
+                # on every shard): the answers go first, so that a master down elsewhere
+                # cannot keep them from their batch's own.
                 with self.runner.aggregator.client.pipeline(transaction=False) as pipe:
                     if report.publish:
                         self._queue_answers(pipe, batch_id, outcome.answers)
+                        if self._cluster:
+                            pipe.execute()
                     try:
                         self.runner.finish(outcome, pipe)
                     except Exception:  # a record that fails must not keep the answers
