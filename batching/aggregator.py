@@ -15,9 +15,15 @@ worker seals the batch (SEAL) when it starts the task, i.e. when a GPU is free, 
 every item appended so far: while the GPUs are busy new requests pile into the open batches,
 so the batch size follows the load with no timer.
 
-Admission control (batching.admission) is decided from one figure per shard, `predicted`,
-which the per-batch scripts (confirm, close, seal) and the workers' heartbeats recompute; a
-request compares the figure its process read last with its budget (see `append`).
+Priority tiers: each lane (a tier's priority; 0 for the anonymous tier and for everything
+before tiers, whose keys keep their names) has its own open batch per shard, so a batch holds
+one tier only, and its task carries the lane's Celery priority. A task is one turn of a GPU on
+its shard: the seal takes the highest lane's ready batch, which may be another than the
+task's own (see SEAL_LUA), and the worker answers the batch it sealed.
+
+Admission control (batching.admission) is decided from one figure per shard and lane,
+`predicted`, which the per-batch scripts (close, seal) and the workers' heartbeats recompute;
+a request compares the figure its process read last with its budget (see `append`).
 
 A batch whose task was never sent cannot be sealed, so a batch not confirmed as sent
 (`dispatched`, which also counts it in admission's backlog) is due for a hand-over
@@ -51,9 +57,9 @@ from typing import Any
 import redis
 
 from batching import stats
-from batching.admission import ADMISSION_LUA
+from batching.admission import ADMISSION_LUA, WORST_CASE_EXTRA_TURNS
 from batching.generation import SampleRequest
-from batching.keys import QueueKeys, ShardKeys, shard_tags, tag_of
+from batching.keys import LaneKeys, QueueKeys, ShardKeys, shard_tags, tag_of
 from batching.policy import MAX_BATCH_SIZE, Policy
 from batching.topology import is_cluster
 
@@ -84,6 +90,18 @@ CLOCK_REFRESH_S = 10.0
 APPEND_ATTEMPTS = 8
 # The last batch records kept for operators, tests and the benchmark.
 BATCH_LOG_LENGTH = 1000
+# A lane not used for this many batch lifetimes (ttl) is forgotten by the seals.
+LANE_KEEP_TTLS = 10
+# A lane's open batch is ready to be sealed ahead of a lower lane's full batch once it has
+# waited this fraction of the deadline: long enough to fill up under load (a tier sending 30%
+# of a GPU's capacity fills a batch in about 2 calls), short enough to leave it the rest of
+# its deadline. A full batch is always ready.
+HOLD_DEADLINE_FRACTION = 0.25
+# A seal looks this far into a lane's closed batches for the oldest one whose newest item can
+# still be answered in time (the others' members time out at their deadline, without a call).
+VIABLE_SCAN = 10
+# Weight of a lane's newest sealed batch in its running figure of how long its batches wait.
+WAITED_WEIGHT = 0.3
 
 _NOW_LUA = """
 local t = redis.call('TIME')
@@ -107,24 +125,51 @@ local function open_batch(open_key)
 end
 """
 
-# take_due(due key, open pointer, sent key, batch prefix, now, grace ms, limit): the ids of up
-# to `limit` batches due for a hand-over in zset `due key`, each taken by this caller alone.
-# The open batch is due once its dispatcher has not confirmed its send (`sent`) for a grace
-# after it opened. A batch whose dispatch is not confirmed is re-armed (one caller at a time
-# sends its task again, until it is confirmed or sealed); a held batch is taken once: its
-# holder may only be slower than it expected (a call longer than its estimate), and a task
-# sent again queues like any other. A member whose batch is gone (sealed, expired) is dropped.
+# lane_key(shard prefix, name, lane): a lane's key, named as ShardKeys.lane_key names it.
+# lanes_of(shard prefix, now, keep ms): the shard's lanes used within `keep ms`, highest
+# first; lane 0 always (the lanes' keys live on the shard's slot, built here from its prefix).
+_LANES_LUA = """
+local function lane_key(prefix, name, lane)
+  if lane == 0 then return prefix .. ':' .. name end
+  return prefix .. ':' .. name .. ':' .. lane
+end
+local function lanes_of(prefix, now, keep_ms)
+  local lanes = {0}
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', prefix .. ':lanes', now - keep_ms,
+                                     '+inf')) do
+    local lane = tonumber(member)
+    if lane and lane > 0 then table.insert(lanes, lane) end
+  end
+  table.sort(lanes, function(a, b) return a > b end)
+  return lanes
+end
+"""
+
+# take_due(due key, shard prefix, lanes, sent key, batch prefix, now, grace ms, limit): the ids
+# of up to `limit` batches due for a hand-over in zset `due key`, each taken by this caller
+# alone. A lane's open batch is due once its dispatcher has not confirmed its send (`sent`)
+# for a grace after it opened. A batch whose dispatch is not confirmed is re-armed (one caller
+# at a time sends its task again, until it is confirmed or sealed); a held batch is taken
+# once: its holder may only be slower than it expected (a call longer than its estimate), and
+# a task sent again queues like any other. A member whose batch is gone (sealed, expired) is
+# dropped.
 _TAKE_DUE_LUA = """
-local function take_due(key, open_key, sent_key, batch_prefix, now, grace, limit)
-  local open_bid, opened = open_batch(open_key)
-  if open_bid and opened + grace <= now and not redis.call('ZSCORE', sent_key, open_bid)
-     and not redis.call('ZSCORE', key, open_bid) then
-    redis.call('ZADD', key, now, open_bid)
+local function take_due(key, prefix, lanes, sent_key, batch_prefix, now, grace, limit)
+  local open_bids = {}
+  for _, lane in ipairs(lanes) do
+    local open_bid, opened = open_batch(lane_key(prefix, 'open', lane))
+    if open_bid then
+      open_bids[open_bid] = true
+      if opened + grace <= now and not redis.call('ZSCORE', sent_key, open_bid)
+         and not redis.call('ZSCORE', key, open_bid) then
+        redis.call('ZADD', key, now, open_bid)
+      end
+    end
   end
   local taken = {}
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', key, '-inf', now, 'LIMIT', 0, limit)) do
     local due_bid = string.match(member, '^[^:]+')
-    if due_bid == open_bid or redis.call('EXISTS', batch_prefix .. due_bid) == 1 then
+    if open_bids[due_bid] or redis.call('EXISTS', batch_prefix .. due_bid) == 1 then
       table.insert(taken, due_bid)
       if due_bid == member then
         redis.call('ZADD', key, now + grace, member)
@@ -139,33 +184,66 @@ local function take_due(key, open_key, sent_key, batch_prefix, now, grace, limit
 end
 """
 
-# refresh_admission(open pointer, unsealed zset, admission hash, now): recompute the one figure
-# a request reads, `predicted` (ms until a batch joined now would finish; 0: admit), from the
-# inputs the workers keep in the admission hash (none: admit everything). Run when a batch
-# closes or is sealed, and on every heartbeat: never per request. The backlog is this shard's
-# closed batches opened within the window, times the shards (requests are spread evenly over
-# them, and the workers take every shard's batches from one queue), and the other shards' open
-# batches; not the open batch, which a newcomer joins.
+# refresh_admission(shard prefix, lanes, admission hash, now): recompute the figure a request
+# of each lane reads, `predicted` (lane 0) or `predicted:<lane>` (ms until a batch joined now
+# would finish; 0: admit), from the inputs the workers keep in the admission hash (none: admit
+# everything). Run when a batch closes or is sealed, and on every heartbeat: never per
+# request. A lane's backlog is this shard's closed batches of its lane and the lanes above
+# opened within the window, times the shards (requests are spread evenly over them, and the
+# workers take every shard's batches from one queue), and the other shards' open batches of
+# those lanes; not its own open batch, which a newcomer joins. Below the highest lane, batches
+# of the lanes above keep coming ahead of the backlog: there the figure is at least the age of
+# the lane's oldest closed batch (however old: a lane served late has batches older than the
+# window), and while the lane has a batch waiting, how long its batches waited lately for
+# their seal (`waited:<lane>`, kept by the seals), plus the extra turns each: a newcomer
+# waits at least as long. A lane with no batch waiting is admitted on its backlog alone, so
+# that a lane refused for a while is tried again.
+# Returns lane 0's figure.
 _REFRESH_ADMISSION_LUA = (
     ADMISSION_LUA
     + """
-local function refresh_admission(open_key, unsealed_key, admission_key, now)
+local function refresh_admission(prefix, lanes, admission_key, now)
   local inputs = redis.call('HMGET', admission_key, 'workers', 'turn_ms', 'shards', 'window_ms')
   local workers = tonumber(inputs[1])
   if not workers then return 0 end
-  local shards = tonumber(inputs[3])
-  local ahead = redis.call('ZCOUNT', unsealed_key, now - tonumber(inputs[4]), '+inf') * shards
-  if redis.call('EXISTS', open_key) == 1 then ahead = ahead + shards - 1 end
-  local predicted = predicted_ms(ahead, workers, tonumber(inputs[2])) or 0
-  redis.call('HSET', admission_key, 'predicted', predicted)
-  return predicted
+  local turn_ms, shards, window_ms = tonumber(inputs[2]), tonumber(inputs[3]), tonumber(inputs[4])
+  local since = now - window_ms
+  local ahead, lane_zero = 0, 0
+  for rank, lane in ipairs(lanes) do
+    local unsealed_key = lane_key(prefix, 'unsealed', lane)
+    ahead = ahead + redis.call('ZCOUNT', unsealed_key, since, '+inf') * shards
+    if redis.call('EXISTS', lane_key(prefix, 'open', lane)) == 1 then
+      ahead = ahead + shards - 1
+    end
+    local predicted = predicted_ms(ahead, workers, turn_ms) or 0
+    if rank > 1 then
+      local oldest = redis.call('ZRANGEBYSCORE', unsealed_key, now - 4 * window_ms, '+inf',
+                                'WITHSCORES', 'LIMIT', 0, 1)
+      local _, opened = open_batch(lane_key(prefix, 'open', lane))
+      if oldest[2] then
+        predicted = math.max(predicted, now - tonumber(oldest[2])
+                                        + WORST_CASE_EXTRA_TURNS * turn_ms)
+      end
+      if oldest[2] or opened then
+        local waited = tonumber(redis.call('HGET', admission_key, 'waited:' .. lane) or 0)
+        predicted = math.max(predicted, waited + WORST_CASE_EXTRA_TURNS * turn_ms)
+      end
+    end
+    if lane == 0 then
+      redis.call('HSET', admission_key, 'predicted', predicted)
+      lane_zero = predicted
+    else
+      redis.call('HSET', admission_key, 'predicted:' .. lane, predicted)
+    end
+  end
+  return lane_zero
 end
-"""
+""".replace("WORST_CASE_EXTRA_TURNS", str(WORST_CASE_EXTRA_TURNS))
 )
 
 # KEYS: cached answer, open pointer, pending items, admission (hash), [rate counter]
-# ARGV: pointer if this request opens a batch, item, batch ttl ms, read admission (1/0),
-#       counter expiry ms (0: none set)
+# ARGV: pointer if this request opens a batch, item, batch ttl ms, admission field to read
+#       ('': none), counter expiry ms (0: none set)
 # The append of a request the response cache may answer (`append` with `cache`): its answer
 # when cached (and nothing joins a batch), else the MULTI's commands. A script only for these
 # requests, with the cache on: the plain MULTI costs Redis less.
@@ -177,7 +255,7 @@ if cached then
 else
   local joined = redis.call('SET', KEYS[2], ARGV[1], 'NX', 'GET', 'PX', tonumber(ARGV[3]))
   reply = {0, joined, redis.call('RPUSH', KEYS[3], ARGV[2])}
-  if ARGV[4] == '1' then table.insert(reply, redis.call('HGET', KEYS[4], 'predicted')) end
+  if ARGV[4] ~= '' then table.insert(reply, redis.call('HGET', KEYS[4], ARGV[4])) end
 end
 if KEYS[5] then
   table.insert(reply, redis.call('INCR', KEYS[5]))
@@ -189,20 +267,22 @@ return reply
 # KEYS: any key of the shard (for routing). Redis time, for a process's clock offset.
 CLOCK_LUA = "return redis.call('TIME')"
 
-# KEYS: open pointer, pending items, unsealed batches (zset), hand-over due (zset), admission,
-#       sent (zset)
-# ARGV: batch id, batch key prefix, ttl ms, dispatch grace ms
-# A request that filled the open batch (or found it full) closes it: its first max-size items
-# move to the batch's own list to wait for the seal (pushes beyond, made in the meantime, are
-# dropped: their requests saw they were too many and join the next batch), it joins the
-# backlog, and the next request opens a new batch. A closed batch whose send is not confirmed
-# yet is due for a hand-over a grace after it opened. Returns 1, or 0 when the batch was not
-# open (closed or sealed already).
+# KEYS: open pointer, pending items, unsealed batches (zset) of the lane, hand-over due (zset),
+#       admission, sent (zset), lanes (zset)
+# ARGV: batch id, batch key prefix, ttl ms, dispatch grace ms, shard prefix, lane
+# A request that filled its lane's open batch (or found it full) closes it: its first max-size
+# items move to the batch's own list to wait for the seal (pushes beyond, made in the
+# meantime, are dropped: their requests saw they were too many and join the next batch), it
+# joins the backlog, and the next request opens a new batch. A closed batch whose send is not
+# confirmed yet is due for a hand-over a grace after it opened. Returns 1, or 0 when the batch
+# was not open (closed or sealed already).
 CLOSE_LUA = (
     _NOW_FUNCTION_LUA
     + _OPEN_BATCH_LUA
+    + _LANES_LUA
     + _REFRESH_ADMISSION_LUA
     + """
+local now = now_ms()
 local open_bid, opened, max = open_batch(KEYS[1])
 if open_bid ~= ARGV[1] then return 0 end
 local batch_key = ARGV[2] .. open_bid
@@ -216,10 +296,12 @@ redis.call('ZADD', KEYS[3], opened, open_bid)
 if not redis.call('ZSCORE', KEYS[6], open_bid) then
   redis.call('ZADD', KEYS[4], opened + tonumber(ARGV[4]), open_bid)
 end
-refresh_admission(KEYS[1], KEYS[3], KEYS[5], now_ms())
+redis.call('ZADD', KEYS[7], now, ARGV[6])
+refresh_admission(ARGV[5], lanes_of(ARGV[5], now, LANE_KEEP_TTLS * tonumber(ARGV[3])),
+                  KEYS[5], now)
 return 1
 """
-)
+).replace("LANE_KEEP_TTLS", str(LANE_KEEP_TTLS))
 
 # set_admission_inputs(admission hash, workers, turn ms, shards, window ms, ttl ms): the
 # workers' figures, kept while workers heartbeat (a shard whose workers are all gone admits
@@ -232,83 +314,200 @@ local function set_admission_inputs(key, workers, turn_ms, shards, window_ms, tt
 end
 """
 
-# KEYS: open pointer, unsealed batches (zset), hand-over due (zset), admission (hash), pending,
-#       sent (zset)
-# ARGV: batch id, batch key prefix, held member, workers, turn ms, shards, window ms,
-#       inputs ttl ms, dispatch grace ms, hand-overs at most, ttl ms
-# Returns {now ms, opened-at ms (or -1), number of hand-overs h, h batch ids due for a
-# hand-over, items...}. Atomic with a request's push: a request lands either in this batch
-# (and is returned here) or, after the pointer is cleared, in a new batch. The sealing worker
-# also refreshes the shard's admission and takes the shard's batches due for a hand-over (it
-# sends their tasks again): under load, no other round trip is needed for either.
+# KEYS: lanes (zset), hand-over due (zset), admission (hash), sent (zset), taken over (zset)
+# ARGV: the task's batch id, batch key prefix, held suffix, workers, turn ms, shards, window
+#       ms, inputs ttl ms, dispatch grace ms, hand-overs at most, ttl ms, shard prefix, the
+#       task's lane (-1: not known), exact (1: that batch or none), hold ms
+# Returns {now ms, opened-at ms (or -1), the sealed batch's id ('' for none), its lane (-1 for
+# none), number of hand-overs h, h batch ids due for a hand-over, items...}. Atomic with a
+# request's push: a request lands either in this batch (and is returned here) or, after the
+# pointer is cleared, in a new batch.
+#
+# Which batch: a task stands for one turn of a GPU on the shard, not for its own batch. The
+# highest lane with a batch ready (a closed, full one, or an open one that has waited `hold`
+# ms) goes first (a closed batch counts while one more turn can answer its newest item: in a
+# lane served late, the oldest batch still worth a call goes, not one whose members are gone);
+# with none ready, the lane whose open batch has the most items (the highest
+# of those with as many): a call spent on a small batch while another lane's is larger is
+# capacity lost, and at light load every batch is small anyway. Within the lane, the task's
+# own batch when it is closed, or open with no closed batch before it; else the lane's oldest
+# closed batch, else its open one. A task that seals another batch
+# than its own hands its own over to that batch's task (sent, or held by a worker): the
+# hand-over entries move with it, and that batch is marked taken over, so that its task, when
+# it comes, seals a batch as a new task would. Every unsealed batch still has a task coming;
+# any other task whose batch is sealed is a duplicate, and seals nothing. `exact` (a
+# dispatcher abandoning its batch) seals the named batch or nothing.
+#
+# The sealing worker also refreshes the shard's admission and takes the shard's batches due for
+# a hand-over (it sends their tasks again): under load, no other round trip is needed for
+# either.
 SEAL_LUA = (
     _NOW_FUNCTION_LUA
     + _OPEN_BATCH_LUA
+    + _LANES_LUA
     + _REFRESH_ADMISSION_LUA
     + _ADMISSION_INPUTS_LUA
     + _TAKE_DUE_LUA
     + """
+local function inherit(zset, from, to)
+  local score = redis.call('ZSCORE', zset, from)
+  if score then redis.call('ZADD', zset, score, to) else redis.call('ZREM', zset, to) end
+end
 local now = now_ms()
-local open_bid, opened, max = open_batch(KEYS[1])
-local items
-local opened_at = -1
-if open_bid == ARGV[1] then
-  opened_at = opened
-  items = redis.call('LRANGE', KEYS[5], 0, max - 1)
-  redis.call('DEL', KEYS[5], KEYS[1])
+local task_bid, held, prefix = ARGV[1], ARGV[3], ARGV[12]
+local task_lane, exact, hold = tonumber(ARGV[13]), ARGV[14] == '1', tonumber(ARGV[15])
+local ttl = tonumber(ARGV[11])
+local stale = now - ttl
+local turn_ms = tonumber(ARGV[5])
+if task_lane > 0 then redis.call('ZADD', KEYS[1], now, task_lane) end
+local lanes = lanes_of(prefix, now, LANE_KEEP_TTLS * ttl)
+local opens, oldest = {}, {}
+local task_lane_found, task_open = nil, false
+for _, lane in ipairs(lanes) do
+  local bid, opened, max = open_batch(lane_key(prefix, 'open', lane))
+  if bid then opens[lane] = {bid, opened, max} end
+  local unsealed_key = lane_key(prefix, 'unsealed', lane)
+  for _, bid in ipairs(redis.call('ZRANGEBYSCORE', unsealed_key, stale, '+inf', 'LIMIT', 0,
+                                  VIABLE_SCAN)) do
+    local last = redis.call('LINDEX', ARGV[2] .. bid, -1)
+    if last and tonumber(string.match(last, '^%d+')) >= now + turn_ms then
+      oldest[lane] = bid
+      break
+    end
+  end
+  if not task_lane_found then
+    if bid == task_bid then
+      task_lane_found, task_open = lane, true
+    elseif redis.call('ZSCORE', unsealed_key, task_bid) then
+      task_lane_found = lane
+    end
+  end
+end
+local taken_over = not task_lane_found and redis.call('ZREM', KEYS[5], task_bid) == 1
+local lane
+if exact or not (task_lane_found or taken_over) then
+  lane = task_lane_found
 else
-  opened_at = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]) or -1)
-  local batch_key = ARGV[2] .. ARGV[1]
-  items = redis.call('LRANGE', batch_key, 0, -1)
-  redis.call('DEL', batch_key)
+  for _, each in ipairs(lanes) do
+    if oldest[each] or (opens[each] and now - opens[each][2] >= hold) then
+      lane = each
+      break
+    end
+  end
+  if not lane then
+    local most = 0
+    for _, each in ipairs(lanes) do
+      if opens[each] then
+        local length = redis.call('LLEN', lane_key(prefix, 'pending', each))
+        if length > most then lane, most = each, length end
+      end
+    end
+  end
 end
-local stale = now - tonumber(ARGV[11])
-redis.call('ZREM', KEYS[2], ARGV[1])
+local chosen, chosen_open = nil, false
+if lane then
+  if lane == task_lane_found and (exact or not task_open or not oldest[lane]) then
+    chosen, chosen_open = task_bid, task_open
+  elseif oldest[lane] then
+    chosen = oldest[lane]
+  else
+    chosen, chosen_open = opens[lane][1], true
+  end
+end
+local items = {}
+local opened_at = -1
+if chosen then
+  local unsealed_key = lane_key(prefix, 'unsealed', lane)
+  if chosen_open then
+    local pending_key = lane_key(prefix, 'pending', lane)
+    opened_at = opens[lane][2]
+    items = redis.call('LRANGE', pending_key, 0, opens[lane][3] - 1)
+    redis.call('DEL', pending_key, lane_key(prefix, 'open', lane))
+  else
+    opened_at = tonumber(redis.call('ZSCORE', unsealed_key, chosen) or -1)
+    local batch_key = ARGV[2] .. chosen
+    items = redis.call('LRANGE', batch_key, 0, -1)
+    redis.call('DEL', batch_key)
+  end
+  redis.call('ZREM', unsealed_key, chosen)
+  redis.call('ZREMRANGEBYSCORE', unsealed_key, '-inf', stale)
+  if lane > 0 then
+    redis.call('ZADD', KEYS[1], now, lane)
+    if opened_at >= 0 then
+      local field = 'waited:' .. lane
+      local waited = tonumber(redis.call('HGET', KEYS[3], field) or (now - opened_at))
+      redis.call('HSET', KEYS[3], field, waited + WAITED_WEIGHT * (now - opened_at - waited))
+    end
+  end
+  if chosen ~= task_bid and task_lane_found then
+    redis.call('ZADD', KEYS[5], now, chosen)
+    inherit(KEYS[4], chosen, task_bid)
+    inherit(KEYS[2], chosen, task_bid)
+    inherit(KEYS[2], chosen .. held, task_bid .. held)
+  end
+  redis.call('ZREM', KEYS[4], chosen)
+  redis.call('ZREM', KEYS[2], chosen, chosen .. held)
+end
+if not task_lane_found then
+  redis.call('ZREM', KEYS[4], task_bid)
+  redis.call('ZREM', KEYS[2], task_bid, task_bid .. held)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', stale)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', stale)
-redis.call('ZREM', KEYS[6], ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', stale)
-redis.call('ZREM', KEYS[3], ARGV[1], ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', stale)
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', stale)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - LANE_KEEP_TTLS * ttl)
 if tonumber(ARGV[4]) > 0 then
-  set_admission_inputs(KEYS[4], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
+  set_admission_inputs(KEYS[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
 end
-refresh_admission(KEYS[1], KEYS[2], KEYS[4], now)
-local due = take_due(KEYS[3], KEYS[1], KEYS[6], ARGV[2], now, tonumber(ARGV[9]),
+refresh_admission(prefix, lanes, KEYS[3], now)
+local due = take_due(KEYS[2], prefix, lanes, KEYS[4], ARGV[2], now, tonumber(ARGV[9]),
                      tonumber(ARGV[10]))
-local reply = {now, opened_at, #due}
+local reply = {now, opened_at, chosen or '', lane or -1, #due}
 for _, due_bid in ipairs(due) do table.insert(reply, due_bid) end
 for _, item in ipairs(items) do table.insert(reply, item) end
 return reply
 """
 )
+for name, value in {
+    "LANE_KEEP_TTLS": LANE_KEEP_TTLS,
+    "WAITED_WEIGHT": WAITED_WEIGHT,
+    "VIABLE_SCAN": VIABLE_SCAN,
+}.items():
+    SEAL_LUA = SEAL_LUA.replace(name, str(value))
 
-# KEYS: hand-over due (zset), open pointer, sent (zset)
-# ARGV: batch key prefix, dispatch grace ms, at most this many
+# KEYS: hand-over due (zset), sent (zset), lanes (zset)
+# ARGV: batch key prefix, dispatch grace ms, at most this many, shard prefix, ttl ms
 # The batches due for a hand-over, for a worker that has not sealed a batch of this shard for
 # HANDOVER_SCAN_MS: a batch is handed over even when no worker seals anything.
 TAKE_DUE_LUA = (
     _NOW_FUNCTION_LUA
     + _OPEN_BATCH_LUA
+    + _LANES_LUA
     + _TAKE_DUE_LUA
     + """
-return take_due(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now_ms(), tonumber(ARGV[2]),
+local now = now_ms()
+local lanes = lanes_of(ARGV[4], now, LANE_KEEP_TTLS * tonumber(ARGV[5]))
+return take_due(KEYS[1], ARGV[4], lanes, KEYS[2], ARGV[1], now, tonumber(ARGV[2]),
                 tonumber(ARGV[3]))
 """
-)
+).replace("LANE_KEEP_TTLS", str(LANE_KEEP_TTLS))
 
-# KEYS: open pointer, unsealed batches (zset), admission (hash)
-# ARGV: workers, turn ms, shards, window ms, inputs ttl ms
-# The workers' figures for a shard's admission (every heartbeat), and the refreshed figure.
+# KEYS: admission (hash), lanes (zset)
+# ARGV: workers, turn ms, shards, window ms, inputs ttl ms, shard prefix, ttl ms
+# The workers' figures for a shard's admission (every heartbeat), and lane 0's refreshed figure.
 ADMISSION_LUA_SCRIPT = (
     _NOW_FUNCTION_LUA
     + _OPEN_BATCH_LUA
+    + _LANES_LUA
     + _REFRESH_ADMISSION_LUA
     + _ADMISSION_INPUTS_LUA
     + """
-set_admission_inputs(KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
-return refresh_admission(KEYS[1], KEYS[2], KEYS[3], now_ms())
+local now = now_ms()
+set_admission_inputs(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
+return refresh_admission(ARGV[6], lanes_of(ARGV[6], now, LANE_KEEP_TTLS * tonumber(ARGV[7])),
+                         KEYS[1], now)
 """
-)
+).replace("LANE_KEEP_TTLS", str(LANE_KEEP_TTLS))
 
 # KEYS: live workers (zset); ARGV: worker name, heartbeat timeout ms
 # Records the heartbeat at Redis time and returns how many workers are live.
@@ -333,6 +532,7 @@ class Ticket:
     predicted_ms: int = 0
     counted: int = 0  # the rate counter after this request (0: none was raised)
     cached: bytes | None = None  # the answer from the response cache (no batch joined)
+    lane: int = 0  # the lane (tier priority) of the batch joined
 
 
 @dataclass(frozen=True)
@@ -361,12 +561,16 @@ class SealedBatch:
     # Batches of the shard due for a hand-over, taken by this seal: the sealer sends their
     # tasks again.
     handovers: list[str] = field(default_factory=list)
+    # The batch sealed, whose members wait for these items' answers: the task's own, or the
+    # batch of a higher lane it chose ("": none, every batch of the shard sealed already).
+    batch_id: str = ""
+    lane: int = -1
 
     @property
     def sealed_before(self) -> bool:
-        """Nothing to answer: this batch was sealed by an earlier task (a duplicate sent by a
-        hand-over), or it expired; its members already have their answer or gave up."""
-        return self.opened_at_ms < 0 and not self.items
+        """Nothing to answer: the task's batch was sealed by an earlier task (a duplicate sent
+        by a hand-over), or it expired, and the shard had no other batch waiting."""
+        return not self.batch_id and not self.items
 
 
 @dataclass(frozen=True)
@@ -438,8 +642,9 @@ class BatchAggregator:
         # Each process starts its turn at its own shard, so that a node's processes do not
         # move over the shards in step.
         self._turn = itertools.count(os.getpid())
-        # Per shard: (admission's figure, when read), and (Redis ms - monotonic ms, when read).
-        self._admission_seen: list[tuple[float, float] | None] = [None] * len(self.shards)
+        # Per shard and lane: (admission's figure, when read); per shard: (Redis ms -
+        # monotonic ms, when read).
+        self._admission_seen: dict[tuple[int, int], tuple[float, float]] = {}
         self._clock_offsets: dict[str, tuple[float, float]] = {}
         self._cluster = is_cluster(client)
         self.configure(max_batch_size=max_batch_size, deadline_ms=deadline_ms)
@@ -458,6 +663,7 @@ class BatchAggregator:
         self.max_batch_size = max_batch_size
         self.deadline_ms = deadline_ms
         self.ttl_ms = batch_ttl_ms(deadline_ms)
+        self.hold_ms = round(deadline_ms * HOLD_DEADLINE_FRACTION)
 
     def load_scripts(self) -> None:
         """Load the Lua scripts into Redis now rather than on a request's first NOSCRIPT (on
@@ -487,13 +693,15 @@ class BatchAggregator:
         key_id: int = 0,
         counter: RateCounter | None = None,
         cache: str = "",
+        lane: int = 0,
     ) -> Ticket:
-        """Join the open batch of `shard` (by default the next shard in this process's turn)
-        with a bare prompt (the queue's settings) or a request with its own settings:
-        the request's one round trip, a MULTI of plain commands (a Lua call costs a Redis
-        core several times more): SET NX GET of the open pointer (the batch joined, or this
-        request's new one) and RPUSH of the item; and HGET of admission's figure when this
-        process read it over ADMISSION_REFRESH_S ago.
+        """Join the open batch of `lane` (the caller's tier priority) on `shard` (by default
+        the next shard in this process's turn) with a bare prompt (the queue's settings) or a
+        request with its own settings: the request's one round trip, a MULTI of plain
+        commands (a Lua call costs a Redis core several times more): SET NX GET of the lane's
+        open pointer (the batch joined, or this request's new one) and RPUSH of the item; and
+        HGET of the lane's admission figure when this process read it over
+        ADMISSION_REFRESH_S ago.
 
         Admission is decided before the call from the figure this process read last (a
         refusal needs no Redis call at all); a figure missing, or one that would refuse and
@@ -510,13 +718,14 @@ class BatchAggregator:
         answer."""
         index = (next(self._turn) if shard is None else shard) % len(self.shards)
         keys = self.shards[index]
-        seen = self._admission_seen[index]
+        lane_keys = LaneKeys.of(keys, lane)
+        seen = self._admission_seen.get((index, lane))
         now_s = time.monotonic()
         if seen is None or (seen[0] > budget_ms and now_s - seen[1] > ADMISSION_FRESH_S):
-            figure = float(self.client.hget(keys.admission, "predicted") or 0)
-            seen = self._admission_seen[index] = (figure, now_s)
+            figure = float(self.client.hget(keys.admission, lane_keys.predicted) or 0)
+            seen = self._admission_seen[index, lane] = (figure, now_s)
         if seen[0] > 0 and seen[0] > budget_ms:
-            return Ticket("", -1, False, True, int(seen[0]))
+            return Ticket("", -1, False, True, int(seen[0]), lane=lane)
         counted = 0
         for _ in range(APPEND_ATTEMPTS):
             now_ms = self._redis_now_ms(keys, now_s)
@@ -525,15 +734,19 @@ class BatchAggregator:
             pointer = f"{candidate} {now_ms} {self.max_batch_size}"
             item = item_of(now_ms + int(budget_ms), prompt, key_id, cache)
             if cache:
-                hit, *more = self._join_cached(keys, cache, pointer, item, read_admission, counter)
+                hit, *more = self._join_cached(
+                    keys, lane_keys, cache, pointer, item, read_admission, counter
+                )
                 if hit:
                     counted = int(more[1]) if counter is not None else 0
-                    return Ticket("", -1, False, counted=counted, cached=more[0])
+                    return Ticket("", -1, False, counted=counted, cached=more[0], lane=lane)
                 joined, length, *more = more
             else:
-                joined, length, *more = self._join(keys, pointer, item, read_admission, counter)
+                joined, length, *more = self._join(
+                    lane_keys, pointer, item, read_admission, counter
+                )
             if read_admission:
-                seen = self._admission_seen[index] = (float(more.pop(0) or 0), now_s)
+                seen = self._admission_seen[index, lane] = (float(more.pop(0) or 0), now_s)
             counted = int(more[0]) if counter is not None else 0
             counter = None  # raised once, whatever batch the request ends in
             if joined is None:
@@ -544,9 +757,9 @@ class BatchAggregator:
                 max_size = int(fields[2]) if len(fields) > 2 else MAX_BATCH_SIZE
                 opened = False
             if length >= max_size:  # full: the next request opens a new batch
-                self.close(batch_id)
+                self.close(batch_id, lane)
             if length <= max_size:
-                return Ticket(batch_id, length - 1, opened, counted=counted)
+                return Ticket(batch_id, length - 1, opened, counted=counted, lane=lane)
             # Pushed onto a batch already full (before its closer moved it): join the next.
         raise redis.RedisError(f"no batch of shard {keys.tag} took the request")
 
@@ -557,7 +770,7 @@ class BatchAggregator:
 
     def _join(
         self,
-        keys: ShardKeys,
+        keys: LaneKeys,
         pointer: str,
         item: str,
         read_admission: bool,
@@ -573,6 +786,7 @@ class BatchAggregator:
     def _join_cached(
         self,
         keys: ShardKeys,
+        lane: LaneKeys,
         digest: str,
         pointer: str,
         item: str,
@@ -581,14 +795,14 @@ class BatchAggregator:
     ) -> list[Any]:
         """CACHED_APPEND_LUA: [1, the cached answer, (the rate counter)], or [0, then what
         `_join` returns]."""
-        script_keys = [keys.cached(digest), keys.open_batch, keys.pending, keys.admission]
+        script_keys = [keys.cached(digest), lane.open_batch, lane.pending, keys.admission]
         if counter is not None:
             script_keys.append(counter.key)
         args = [
             pointer,
             item,
             self.ttl_ms,
-            int(read_admission),
+            lane.predicted if read_admission else "",
             counter.expire_ms if counter else 0,
         ]
         return list(self._cached_append(keys=script_keys, args=args))
@@ -604,7 +818,7 @@ class BatchAggregator:
 
     def _join_pipelined(
         self,
-        keys: ShardKeys,
+        keys: LaneKeys,
         pointer: str,
         item: str,
         read_admission: bool,
@@ -614,7 +828,7 @@ class BatchAggregator:
             pipe.set(keys.open_batch, pointer, nx=True, get=True, px=self.ttl_ms)
             pipe.rpush(keys.pending, item)
             if read_admission:
-                pipe.hget(keys.admission, "predicted")
+                pipe.hget(keys.admission, keys.predicted)
             if counter is not None:
                 pipe.incr(counter.key)
                 if counter.expire_ms:
@@ -623,7 +837,7 @@ class BatchAggregator:
 
     def _join_packed(
         self,
-        keys: ShardKeys,
+        keys: LaneKeys,
         pointer: str,
         item: str,
         read_admission: bool,
@@ -637,7 +851,7 @@ class BatchAggregator:
             ("RPUSH", keys.pending, item),
         ]
         if read_admission:
-            commands.append(("HGET", keys.admission, "predicted"))
+            commands.append(("HGET", keys.admission, keys.predicted))
         if counter is not None:
             commands.append(("INCR", counter.key))
             if counter.expire_ms:
@@ -675,31 +889,37 @@ class BatchAggregator:
             offset = self._clock_offsets[keys.tag] = (redis_ms - (before + now) * 500, now)
         return int(now * 1000 + offset[0])
 
-    def open_batch_id(self, shard: int = 0) -> str | None:
-        """The id of the batch a request of `shard` would join now (None: it would open one)."""
-        raw = self.client.get(self.shards[shard].open_batch)
+    def open_batch_id(self, shard: int = 0, lane: int = 0) -> str | None:
+        """The id of the batch a request of `lane` on `shard` would join now (None: it would
+        open one)."""
+        raw = self.client.get(self.shards[shard].open_of(lane))
         return raw.decode().split(" ")[0] if raw else None
 
-    def close(self, batch_id: str) -> bool:
-        """Close the batch to newcomers (it is full), if it is the open one; its items wait
-        in its own list for its seal. False when it was not open."""
+    def close(self, batch_id: str, lane: int = 0) -> bool:
+        """Close the batch of `lane` to newcomers (it is full), if it is the lane's open one;
+        its items wait in its own list for its seal. False when it was not open."""
         keys = self.shard_of(batch_id)
+        lane_keys = LaneKeys.of(keys, lane)
         script_keys = [
-            keys.open_batch, keys.pending, keys.unsealed, keys.handover_due, keys.admission,
-            keys.sent,
+            lane_keys.open_batch, lane_keys.pending, lane_keys.unsealed, keys.handover_due,
+            keys.admission, keys.sent, keys.lanes,
         ]  # fmt: skip
-        args = [batch_id, keys.batch_prefix, self.ttl_ms, DISPATCH_GRACE_MS]
+        args = [batch_id, keys.batch_prefix, self.ttl_ms, DISPATCH_GRACE_MS, keys.prefix, lane]
         return bool(self._close(keys=script_keys, args=args))
 
-    def dispatched(self, batch_id: str) -> None:
+    def dispatched(self, batch_id: str, lane: int = 0) -> None:
         """The batch's task is sent: it is no longer due for a hand-over for want of a
-        dispatch. Plain commands, one round trip; the pending list's expiry is refreshed here,
-        once a batch (a list left by a queue no worker serves goes away on its own)."""
+        dispatch, and its lane is one the seals choose among. Plain commands, one round trip;
+        the pending list's expiry is refreshed here, once a batch (a list left by a queue no
+        worker serves goes away on its own)."""
         keys = self.shard_of(batch_id)
+        now_ms = self._redis_now_ms(keys)
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.zadd(keys.sent, {batch_id: self._redis_now_ms(keys)})
+            pipe.zadd(keys.sent, {batch_id: now_ms})
             pipe.zrem(keys.handover_due, batch_id)
-            pipe.pexpire(keys.pending, self.ttl_ms)
+            pipe.pexpire(keys.pending_of(lane), self.ttl_ms)
+            if lane:
+                pipe.zadd(keys.lanes, {str(lane): now_ms})
             pipe.execute()
 
     def hold(self, batch_id: str, seal_in_ms: float) -> bool:
@@ -722,43 +942,54 @@ class BatchAggregator:
         one is taken by one caller (a worker's seal or scan)."""
         keys = self.shards[shard]
         taken = self._take_due(
-            keys=[keys.handover_due, keys.open_batch, keys.sent],
-            args=[keys.batch_prefix, DISPATCH_GRACE_MS, limit],
+            keys=[keys.handover_due, keys.sent, keys.lanes],
+            args=[keys.batch_prefix, DISPATCH_GRACE_MS, limit, keys.prefix, self.ttl_ms],
         )
         return [batch_id.decode() for batch_id in taken]
 
-    def seal(self, batch_id: str, inputs: AdmissionInputs | None = None) -> SealedBatch:
-        """Take the batch's items (closing it, if it is the open one). A worker passes what it
-        knows for admission (`inputs`), and gets the shard's batches due for a hand-over."""
+    def seal(
+        self,
+        batch_id: str,
+        inputs: AdmissionInputs | None = None,
+        *,
+        lane: int = -1,
+        exact: bool = False,
+    ) -> SealedBatch:
+        """Take the items of a batch of the task's shard (closing it, if it is an open one):
+        the task's own batch (`batch_id`, of `lane`; -1: not known), or one of a higher lane
+        whose batch is ready (see SEAL_LUA); `exact`: that batch or none. A worker passes what
+        it knows for admission (`inputs`), and gets the shard's batches due for a hand-over."""
         keys = self.shard_of(batch_id)
-        script_keys = [
-            keys.open_batch, keys.unsealed, keys.handover_due, keys.admission, keys.pending,
-            keys.sent,
-        ]  # fmt: skip
         raw = self._seal(
-            keys=script_keys,
+            keys=[keys.lanes, keys.handover_due, keys.admission, keys.sent, keys.taken_over],
             args=[
                 batch_id,
                 keys.batch_prefix,
-                batch_id + HELD_SUFFIX,
+                HELD_SUFFIX,
                 *self._admission_args(inputs or AdmissionInputs(0, 0.0)),
                 DISPATCH_GRACE_MS,
                 HANDOVERS_PER_SEAL,
                 self.ttl_ms,
+                keys.prefix,
+                lane,
+                int(exact),
+                self.hold_ms,
             ],
         )
-        handed = int(raw[2])
+        handed = int(raw[4])
         return SealedBatch(
             int(raw[0]),
             int(raw[1]),
-            [_parse_item(item) for item in raw[3 + handed :]],
-            [due.decode() for due in raw[3 : 3 + handed]],
+            [_parse_item(item) for item in raw[5 + handed :]],
+            [due.decode() for due in raw[5 : 5 + handed]],
+            raw[2].decode(),
+            int(raw[3]),
         )
 
-    def abandon(self, batch_id: str) -> int:
+    def abandon(self, batch_id: str, lane: int = -1) -> int:
         """Close a batch whose task cannot be sent, so no later request joins it; returns how
         many members it had (its dispatcher answers them)."""
-        return len(self.seal(batch_id).items)
+        return len(self.seal(batch_id, lane=lane, exact=True).items)
 
     def _admission_args(self, inputs: AdmissionInputs) -> list[int | float]:
         return [
@@ -777,8 +1008,8 @@ class BatchAggregator:
         for keys in self.shards:
             try:
                 figure = self._admission(
-                    keys=[keys.open_batch, keys.unsealed, keys.admission],
-                    args=self._admission_args(inputs),
+                    keys=[keys.admission, keys.lanes],
+                    args=[*self._admission_args(inputs), keys.prefix, self.ttl_ms],
                 )
             except redis.RedisError as exc:
                 log.warning("admission figures of shard %s not refreshed: %s", keys.tag, exc)

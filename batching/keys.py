@@ -10,7 +10,7 @@ Nothing else in the project spells a `sampling:{...}:...` key.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
@@ -125,6 +125,33 @@ class ShardKeys:
     def prefix(self) -> str:
         return f"sampling:{{{self.tag}}}"
 
+    # --- lanes: one open batch per priority lane (a tier's priority; 0 for the anonymous
+    # tier and for every request before tiers, whose keys keep their names) --------------
+    def lane_key(self, name: str, lane: int) -> str:
+        """Key `name` of lane `lane`: the Lua scripts build the same names (LANE_KEY_LUA)."""
+        return f"{self.prefix}:{name}" if lane == 0 else f"{self.prefix}:{name}:{lane}"
+
+    def open_of(self, lane: int) -> str:
+        return self.lane_key("open", lane)
+
+    def pending_of(self, lane: int) -> str:
+        return self.lane_key("pending", lane)
+
+    def unsealed_of(self, lane: int) -> str:
+        return self.lane_key("unsealed", lane)
+
+    @cached_property
+    def lanes(self) -> str:
+        """A zset of the lanes in use on this shard, scored by when a batch of theirs last
+        opened or was sealed (Redis ms): what a seal chooses among."""
+        return f"{self.prefix}:lanes"
+
+    @cached_property
+    def taken_over(self) -> str:
+        """A zset of batches sealed by another batch's task (a seal chose a higher lane),
+        scored by when (ms): their own task, when it comes, seals a batch in their stead."""
+        return f"{self.prefix}:taken-over"
+
     @cached_property
     def open_batch(self) -> str:
         """The batch new requests join, "<batch id> <opened ms> <max size>" (absent: the next
@@ -165,6 +192,11 @@ class ShardKeys:
         web process reads that one field (with a request's push, at most every 10 ms)."""
         return f"{self.prefix}:admission"
 
+    @staticmethod
+    def predicted_field(lane: int) -> str:
+        """The field of `admission` that a request of `lane` reads."""
+        return "predicted" if lane == 0 else f"predicted:{lane}"
+
     @cached_property
     def batch_prefix(self) -> str:
         return f"{self.prefix}:batch:"
@@ -193,6 +225,32 @@ class ShardKeys:
         epoch), raised by the request's own append: a keyed request joins the shard its key
         is pinned to, so the counter shares the slot of the append's MULTI."""
         return f"{self.prefix}:rpm:{key_id}:{window}"
+
+
+@dataclass(frozen=True)
+class LaneKeys:
+    """The keys a request of one lane touches on its shard: its open pointer and pending list,
+    and the field of the shard's admission hash it reads; built once per shard and lane (the
+    request path reads them on every request)."""
+
+    open_batch: str
+    pending: str
+    unsealed: str
+    admission: str
+    predicted: str
+    lane: int
+
+    @staticmethod
+    @lru_cache(maxsize=1024)
+    def of(shard: ShardKeys, lane: int) -> LaneKeys:
+        return LaneKeys(
+            shard.open_of(lane),
+            shard.pending_of(lane),
+            shard.unsealed_of(lane),
+            shard.admission,
+            ShardKeys.predicted_field(lane),
+            lane,
+        )
 
 
 def tag_of(batch_id: str) -> str:

@@ -8,3 +8,18 @@ from __future__ import annotations
 
 # The name predates the split into apps: queued messages and running workers keep it.
 RUN_BATCH_TASK = "sampling.run_batch"
+
+# Celery's Redis transport keeps one list per priority step and a worker pops them in order,
+# step 0 first: CELERY_BROKER_TRANSPORT_OPTIONS sets these ten steps.
+PRIORITY_STEPS = list(range(10))
+# A batch task's lane when the sender does not know it (a task sent again by a hand-over).
+UNKNOWN_LANE = -1
+
+
+def task_priority(lane: int) -> int:
+    """The Celery priority of a batch task of `lane` (a tier's priority, higher first): step 9
+    for lane 0, one step ahead per 10 of priority, step 0 from 90 up. A task sent again by a
+    hand-over (lane unknown) is late already: step 0."""
+    if lane < 0:
+        return 0
+    return PRIORITY_STEPS[-1] - min(lane, 90) // 10

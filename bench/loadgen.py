@@ -100,6 +100,10 @@ class Results:
         return percentile(values, q)
 
 
+def _none(index: int) -> dict[str, str]:
+    return {}
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile; NaN for no values."""
     if not values:
@@ -191,6 +195,7 @@ async def _run(
     post: bool,
     protocol: Protocol,
     constant: bool,
+    headers: Callable[[int], dict[str, str]] | None,
 ) -> Results:
     if constant:
         offsets = [index / rate_rps for index in range(round(rate_rps * duration_s))]
@@ -209,13 +214,14 @@ async def _run(
     async def one(index: int, intended: float) -> None:
         text = prompt(index)
         body = protocol.body(text)
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or _none)(index).items())
         if post:
             request = (
                 f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"
-                f"Content-Type: {protocol.content_type}\r\n\r\n"
+                f"Content-Type: {protocol.content_type}\r\n{extra}\r\n"
             ).encode() + body
         else:
-            request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+            request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{extra}\r\n".encode()
         results.send_lag_ms[index] = (loop.time() - intended) * 1000
         try:
             status, answer = await asyncio.wait_for(
@@ -263,14 +269,16 @@ def run(
     post: bool = True,
     protocol: Protocol | None = None,
     constant: bool = False,
+    headers: Callable[[int], dict[str, str]] | None = None,
 ) -> Results:
     """Offer `rate_rps` Poisson requests (evenly spaced when `constant`) for `duration_s` and
     wait for every answer (or the client's timeout). GET without a body when `post` is false
     (a bare view). Several ports: the requests go to each in turn. `protocol`: how a prompt
-    is sent and a completion read back (by default /sample's raw text)."""
+    is sent and a completion read back (by default /sample's raw text); `headers(i)`: request
+    i's own headers (an API key, say)."""
     ports = [port] if isinstance(port, int) else list(port)
     work = _run(
         host, ports, path, rate_rps, duration_s, prompt, expected, client_timeout_s, seed, post,
-        protocol or RAW_TEXT, constant,
+        protocol or RAW_TEXT, constant, headers,
     )  # fmt: skip
     return asyncio.run(work)

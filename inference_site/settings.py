@@ -15,6 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from batching.keys import MAX_SHARDS
 from batching.policy import BOUNDS, Policy
+from batching.protocol import PRIORITY_STEPS
 from inference_site.lib.env import (
     env_bool,
     env_float,
@@ -211,3 +212,6 @@ CELERY_TASK_ACKS_LATE = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_TASK_DEFAULT_QUEUE = SAMPLING_QUEUE
+# A batch task carries its tier's priority (batching.protocol.task_priority): one list per
+# step, and a worker pops the highest step's first.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"priority_steps": PRIORITY_STEPS}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -39,6 +40,21 @@ REQUEST_LATENCY = Histogram(
 # One child per outcome, made once: a label lookup per request costs more than the increment.
 REQUESTS_BY_OUTCOME = {outcome: REQUESTS.labels(outcome=outcome) for outcome in RequestOutcome}
 
+# Per tier (the caller's: a key's tier, "anonymous" without one): requests by outcome, whose
+# "ok" rate is the tier's goodput, and latency. Children made on a tier's first request.
+TIER_REQUESTS = Counter(
+    "sampling_tier_requests",
+    "Requests by the caller's tier and outcome (ok: a completion returned)",
+    ["tier", "outcome"],
+)
+TIER_LATENCY = Histogram(
+    "sampling_tier_request_latency_seconds",
+    "Time from a request's arrival to its answer, any outcome, by the caller's tier",
+    ["tier"],
+    buckets=LATENCY_BUCKETS_S,
+)
+_tier_children: dict[tuple[str, RequestOutcome], tuple[Any, Any]] = {}
+
 
 CACHE_LOOKUPS = Counter(
     "sampling_cache_lookups",
@@ -55,9 +71,18 @@ def record_cache(hits: int, misses: int) -> None:
         CACHE_RESULTS["miss"].inc(misses)
 
 
-def record_request(outcome: RequestOutcome, latency_s: float) -> None:
+def record_request(outcome: RequestOutcome, latency_s: float, tier: str = "") -> None:
     REQUESTS_BY_OUTCOME[outcome].inc()
     REQUEST_LATENCY.observe(latency_s)
+    if tier:
+        children = _tier_children.get((tier, outcome))
+        if children is None:
+            children = _tier_children[tier, outcome] = (
+                TIER_REQUESTS.labels(tier=tier, outcome=outcome),
+                TIER_LATENCY.labels(tier=tier),
+            )
+        children[0].inc()
+        children[1].observe(latency_s)
 
 
 class WorkerMetricsCollector:

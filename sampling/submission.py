@@ -32,7 +32,7 @@ from batching.access import Caller
 from batching.aggregator import RateCounter
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome, RequestOutcome
-from batching.protocol import RUN_BATCH_TASK
+from batching.protocol import RUN_BATCH_TASK, task_priority
 from batching.results import queue_result
 from inference_site.celery import app as celery_app
 from sampling import metrics
@@ -146,8 +146,9 @@ def counted(handle: Handler, words: Words) -> Callable[[HttpRequest], HttpRespon
                 response[header] = value
         latency_s = time.monotonic() - arrival
         key_id = 0 if isinstance(caller, Failure) else caller.key_id
+        tier = "" if isinstance(caller, Failure) else caller.tier
         process.stats.record(outcome, latency_s, key_id=key_id)
-        metrics.record_request(outcome, latency_s)
+        metrics.record_request(outcome, latency_s, tier)
         return response
 
     view.__name__ = view.__qualname__ = handle.__name__.lstrip("_")
@@ -199,6 +200,7 @@ def submit(
                 key_id=caller.key_id,
                 counter=counter,
                 cache=digest,
+                lane=caller.priority,
             )
         except redis.RedisError as exc:
             log.error("cannot reach Redis to queue a request: %s", exc)
@@ -213,7 +215,7 @@ def submit(
         if ticket.counted and counter is not None:
             limiter.counted(caller, ticket.counted, now_s, expiry_set=bool(counter.expire_ms))
             counter = None  # one request, one count: its other items join without
-        if ticket.opened and not _dispatch(process, ticket.batch_id):
+        if ticket.opened and not _dispatch(process, ticket.batch_id, ticket.lane):
             return _unavailable()
         tickets.append(ticket)
 
@@ -266,34 +268,36 @@ def _failure_of(answer: list[Any], deadline_ms: int) -> Failure | None:
     return Failure(Problem.SAMPLER_FAILED, str(text))
 
 
-def _dispatch(process: WebProcess, batch_id: str) -> bool:
-    """Send the batch's task (task id = batch id, by name: no import of the worker's code).
-    When it cannot be sent, close the batch so that no later request joins it, and answer
-    the members that joined already at once rather than at their deadline."""
+def _dispatch(process: WebProcess, batch_id: str, lane: int) -> bool:
+    """Send the batch's task (task id = batch id, by name: no import of the worker's code), at
+    its lane's Celery priority. When it cannot be sent, close the batch so that no later
+    request joins it, and answer the members that joined already at once rather than at
+    their deadline."""
     aggregator = process.aggregator
     try:
         celery_app.send_task(
             RUN_BATCH_TASK,
-            args=(batch_id, aggregator.queue),
+            args=(batch_id, aggregator.queue, lane),
             task_id=batch_id,
             queue=aggregator.queue,
+            priority=task_priority(lane),
             retry_policy=PUBLISH_RETRY,
         )
     except Exception as exc:  # noqa: BLE001 - kombu raises OperationalError, OSError and more
         log.error("cannot dispatch batch %s: %s", batch_id, exc)
-        _abandon(process, batch_id)
+        _abandon(process, batch_id, lane)
         return False
     try:
-        aggregator.dispatched(batch_id)
+        aggregator.dispatched(batch_id, lane)
     except redis.RedisError as exc:
         # Harmless: a later request sends the task again, and the duplicate answers nothing.
         log.warning("batch %s dispatched but not confirmed: %s", batch_id, exc)
     return True
 
 
-def _abandon(process: WebProcess, batch_id: str) -> None:
+def _abandon(process: WebProcess, batch_id: str, lane: int) -> None:
     try:
-        members = process.aggregator.abandon(batch_id)
+        members = process.aggregator.abandon(batch_id, lane)
         answers = [[ItemOutcome.NOT_DISPATCHED, QUEUE_UNAVAILABLE] for _ in range(members)]
         # Stored and published as the task would have: every member's wait wakes now.
         backend = celery_app.backend

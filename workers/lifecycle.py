@@ -30,7 +30,7 @@ from batching.aggregator import (
     BatchAggregator,
 )
 from batching.policy import PolicyWatcher, policy_from_settings
-from batching.protocol import RUN_BATCH_TASK
+from batching.protocol import RUN_BATCH_TASK, UNKNOWN_LANE, task_priority
 from batching.results import queue_result
 from workers.pipeline import BatchPipeline
 from workers.runner import BatchRunner, Result
@@ -77,7 +77,13 @@ def store_failure(batch_id: str, exc: Exception) -> None:
 
 def _resender(queue: str) -> Callable[[str], None]:
     def resend(batch_id: str) -> None:
-        current_app.send_task(RUN_BATCH_TASK, args=(batch_id, queue), task_id=batch_id, queue=queue)
+        current_app.send_task(
+            RUN_BATCH_TASK,
+            args=(batch_id, queue, UNKNOWN_LANE),
+            task_id=batch_id,
+            queue=queue,
+            priority=task_priority(UNKNOWN_LANE),
+        )
 
     return resend
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import redis
 
+from batching.protocol import UNKNOWN_LANE
 from batching.topology import is_cluster
 from workers.runner import BatchRunner, Result, Turn
 
@@ -103,7 +104,8 @@ class BatchPipeline:
         self._lead_s = prefetch_lead_ms / 1000
         self._changed = threading.Condition()
         # All below guarded by _changed.
-        self._waiting: str | None = None  # handed over, not yet taken by the GPU thread
+        # Handed over (batch id, lane), not yet taken by the GPU thread.
+        self._waiting: tuple[str, int] | None = None
         self._taken: str | None = None  # the batch the GPU thread seals or samples
         self._turn: Turn | None = None  # its turn, once sealed
         self._call_started: float | None = None  # monotonic start of the turn's calls
@@ -133,15 +135,15 @@ class BatchPipeline:
         return auto_call_timeout_ms(self.runner.estimate_ms)
 
     # --- Celery's thread -------------------------------------------------------------------
-    def submit(self, batch_id: str) -> None:
-        """Hand the batch to the GPU thread; return when Celery may take the next task: the
-        batch's call is about to end, or the batch is done."""
+    def submit(self, batch_id: str, lane: int = UNKNOWN_LANE) -> None:
+        """Hand the batch's task to the GPU thread; return when Celery may take the next task:
+        the call it runs is about to end, or it is done."""
         with self._changed:
             if self._closed:
                 raise RuntimeError("the batch pipeline is closed")
             if self._waiting is not None:  # never: a task returns only once its batch is taken
-                raise RuntimeError(f"batch {self._waiting} is still waiting for the GPU")
-            self._waiting = batch_id
+                raise RuntimeError(f"batch {self._waiting[0]} is still waiting for the GPU")
+            self._waiting = (batch_id, lane)
             self._submitted += 1
             number = self._submitted
             gpu_busy = self._taken is not None
@@ -179,9 +181,9 @@ class BatchPipeline:
             with self._changed:
                 while self._waiting is None and unpublished is None and not self._closed:
                     self._changed.wait()
-                batch_id, self._waiting = self._waiting, None
-                self._taken = batch_id
-            if batch_id is None:
+                task, self._waiting = self._waiting, None
+                self._taken = task[0] if task else None
+            if task is None:
                 if unpublished is None:
                     return  # closed, and nothing left to answer
                 # No batch for the GPU: the answers leave at once, from here.
@@ -189,8 +191,9 @@ class BatchPipeline:
                 self._reports.put(_Report(unpublished.batch_id, unpublished))
                 unpublished = None
                 continue
+            batch_id, lane = task
             try:
-                unpublished = self._run(batch_id, unpublished)
+                unpublished = self._run(batch_id, lane, unpublished)
             except Exception as exc:  # a bug of ours: fail the batch, keep the GPU thread
                 log.exception("batch %s failed in the GPU thread", batch_id)
                 self._reports.put(_Report(batch_id, exc))
@@ -201,11 +204,12 @@ class BatchPipeline:
                     self._finished += 1
                     self._changed.notify_all()
 
-    def _run(self, batch_id: str, unpublished: Turn | None) -> Turn | None:
-        """Seal `batch_id`, have the reporter publish `unpublished`'s answers, and sample the
-        batch; return its turn, sampled (None when it has no call)."""
+    def _run(self, batch_id: str, lane: int, unpublished: Turn | None) -> Turn | None:
+        """Seal a batch for the task of `batch_id` (that one, or a higher lane's), have the
+        reporter publish `unpublished`'s answers, and sample the batch; return its turn,
+        sampled (None when it has no call)."""
         try:
-            turn = self.runner.begin(batch_id)
+            turn = self.runner.begin(batch_id, lane)
         except Exception as exc:  # Redis lost mid-seal, say: the batch fails, the worker stays
             log.exception("batch %s could not be sealed", batch_id)
             self._reports.put(_Report(batch_id, exc))
@@ -215,7 +219,7 @@ class BatchPipeline:
         if turn is None:
             return None  # failed, or a duplicate task: the batch was sealed before
         if not turn.chunks:  # every item expired: answered without a call
-            self._reports.put(_Report(batch_id, turn, publish=True))
+            self._reports.put(_Report(turn.batch_id, turn, publish=True))
             return None
         with self._changed:
             self._turn, self._call_started = turn, time.monotonic()
@@ -284,7 +288,7 @@ class BatchPipeline:
                 if remaining_s > 0:
                     self._changed.wait(remaining_s)
                     continue
-                waiting = self._waiting
+                waiting = self._waiting[0] if self._waiting else None
             self._cut_off(turn, started, waiting)
             return  # on_hung ends the process; a pipeline with a hung call runs nothing more
 

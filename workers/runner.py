@@ -22,6 +22,7 @@ from batching.aggregator import AdmissionInputs, BatchAggregator, Item, SealedBa
 from batching.generation import Completion, Row
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
+from batching.protocol import UNKNOWN_LANE
 from workers.metrics import WorkerMetrics
 from workers.samplers.base import PromptRejected, Sampler
 
@@ -142,29 +143,31 @@ class BatchRunner:
             self.applied_version = policy.version
         return policy
 
-    def run(self, batch_id: str) -> list[Result] | None:
-        """One [outcome, text] per item of the batch, in order; None when the batch was
-        sealed before (a duplicate task): there is nobody to answer. The three steps in one
-        thread; a worker runs them in a pipeline (workers.pipeline)."""
-        turn = self.begin(batch_id)
+    def run(self, batch_id: str, lane: int = UNKNOWN_LANE) -> list[Result] | None:
+        """One [outcome, text] per item of the batch sealed (the turn's `batch_id`), in order;
+        None when there was nothing to seal (a duplicate task): there is nobody to answer. The
+        three steps in one thread; a worker runs them in a pipeline (workers.pipeline)."""
+        turn = self.begin(batch_id, lane)
         if turn is None:
             return None
         self.sample(turn)
         self.finish(turn)
         return turn.answers
 
-    def begin(self, batch_id: str) -> Turn | None:
-        """Seal the batch (the GPU is free for it) and drop the items whose deadline one more
-        call cannot meet; None when it was sealed before."""
+    def begin(self, batch_id: str, lane: int = UNKNOWN_LANE) -> Turn | None:
+        """Seal a batch for the task of `batch_id` (the GPU is free for it): that batch, or a
+        higher lane's ready one (batching.aggregator.SEAL_LUA); drop the items whose deadline
+        one more call cannot meet. None when there was nothing left to seal."""
         began = time.perf_counter()
         policy = self.apply_policy()
-        sealed = self.aggregator.seal(batch_id, self.admission_inputs())
+        sealed = self.aggregator.seal(batch_id, self.admission_inputs(), lane=lane)
         self.sealed_at[self.aggregator.shard_of(batch_id).tag] = time.monotonic()
         if sealed.handovers:
             self.on_handovers(sealed.handovers)
         if sealed.sealed_before:
             log.info("batch %s was sealed by an earlier task: nothing to run", batch_id)
             return None
+        batch_id = sealed.batch_id
         # One more call must end before the item's deadline, or the item is dropped now and
         # the sampler never sees it.
         cutoff = sealed.now_ms + self.estimate_ms
@@ -270,6 +273,7 @@ class BatchRunner:
         queue_wait_ms = sealed.now_ms - sealed.opened_at_ms if sealed.opened_at_ms >= 0 else None
         record = {
             "batch_id": batch_id,
+            "lane": sealed.lane,
             "worker": self.worker,
             "size": len(results),
             "sampled": len(results) - expired,

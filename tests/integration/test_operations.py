@@ -20,6 +20,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from batching.access import ANONYMOUS_TIER
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
@@ -189,6 +190,9 @@ def test_metrics_totals_across_processes_and_workers(ops: Stack) -> None:
     assert delta("sampling_requests_total", outcome="bad_request") == bad
     assert delta("sampling_requests_total", outcome="timeout") == 0
     assert delta("sampling_request_latency_seconds_count") == ok + bad
+    # The same requests by tier: without a key, the anonymous tier's.
+    assert delta("sampling_tier_requests_total", outcome="ok", tier=ANONYMOUS_TIER) == ok
+    assert delta("sampling_tier_request_latency_seconds_count", tier=ANONYMOUS_TIER) == ok + bad
     # Both gunicorn processes wrote their own files: the totals above are their sums.
     files = list(Path(ops.env["PROMETHEUS_MULTIPROC_DIR"]).glob("counter_*.db"))
     assert len(files) >= 2, files

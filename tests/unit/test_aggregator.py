@@ -117,8 +117,9 @@ def test_concurrent_appends_never_lose_or_duplicate(redis_url: str) -> None:
         while appending.is_set():
             batch_id = aggregator.open_batch_id()
             if batch_id:
-                items = aggregator.seal(batch_id).items
-                sealed.setdefault(batch_id, []).extend(i.prompt for i in items)
+                # The seal may take an older, closed batch first (the task's own then follows).
+                batch = aggregator.seal(batch_id)
+                sealed.setdefault(batch.batch_id, []).extend(i.prompt for i in batch.items)
 
     sealing = threading.Thread(target=sealer)
     sealing.start()
@@ -128,8 +129,13 @@ def test_concurrent_appends_never_lose_or_duplicate(redis_url: str) -> None:
     sealing.join()
     # Seal what is left (batches closed by size and never sealed by the sealer thread).
     aggregator = BatchAggregator(redis.Redis.from_url(redis_url), queue, max_batch_size=37)
-    for batch_id in {t[0] for t in tickets} - set(sealed):
-        sealed[batch_id] = [i.prompt for i in aggregator.seal(batch_id).items]
+    for _ in range(len(tickets)):
+        left = {t[0] for t in tickets} - set(sealed)
+        if not left:
+            break
+        batch = aggregator.seal(left.pop())  # unsealed: it seals one of them
+        assert batch.batch_id in left | {batch.batch_id} - set(sealed)
+        sealed[batch.batch_id] = [i.prompt for i in batch.items]
 
     assert len(tickets) == threads * total_per_thread
     everything = [rid for items in sealed.values() for rid in items]

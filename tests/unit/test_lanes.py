@@ -1,0 +1,133 @@
+"""Priority lanes of the aggregator on a real Redis: one open batch per lane, the seal's choice
+of lane, the hand-over of a task's batch when its seal chose another, and admission per lane."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from batching import admission
+from batching.aggregator import AdmissionInputs, BatchAggregator, Item
+from batching.protocol import PRIORITY_STEPS, UNKNOWN_LANE, task_priority
+from tests.support import unique_queue
+
+HIGH, LOW = 30, 10
+
+
+@pytest.fixture
+def aggregator(redis_client: redis.Redis) -> BatchAggregator:
+    return BatchAggregator(
+        redis_client, unique_queue("lanes"), max_batch_size=3, deadline_ms=60_000
+    )
+
+
+def fill(aggregator: BatchAggregator, lane: int, count: int, tag: str = "") -> list[str]:
+    """`count` requests of `lane`; the batch ids they joined, each opener's dispatch confirmed."""
+    batch_ids = []
+    for index in range(count):
+        ticket = aggregator.append(f"{tag or lane}-{index}", 60_000, lane=lane)
+        if ticket.opened:
+            aggregator.dispatched(ticket.batch_id, lane)
+        batch_ids.append(ticket.batch_id)
+    return batch_ids
+
+
+def prompts(sealed_items: list[Item]) -> list[str]:
+    return [item.prompt for item in sealed_items]
+
+
+def test_each_lane_has_its_own_open_batch(aggregator: BatchAggregator) -> None:
+    high = fill(aggregator, HIGH, 2)
+    low = fill(aggregator, LOW, 2)
+    assert len(set(high)) == len(set(low)) == 1
+    assert high[0] != low[0]
+    assert aggregator.open_batch_id(lane=HIGH) == high[0]
+    assert aggregator.open_batch_id(lane=LOW) == low[0]
+
+
+def test_a_full_batch_of_a_higher_lane_goes_before_the_task_s_own(
+    aggregator: BatchAggregator,
+) -> None:
+    low = fill(aggregator, LOW, 2)[0]
+    high = fill(aggregator, HIGH, 3)[0]  # full: closed
+    sealed = aggregator.seal(low, lane=LOW)
+    assert (sealed.batch_id, sealed.lane) == (high, HIGH)
+    assert prompts(sealed.items) == [f"{HIGH}-{i}" for i in range(3)]
+    # The high batch's task, when it comes, seals in the low batch's stead.
+    taken = aggregator.seal(high, lane=HIGH)
+    assert (taken.batch_id, taken.lane) == (low, LOW)
+    assert prompts(taken.items) == [f"{LOW}-{i}" for i in range(2)]
+    assert aggregator.seal(high, lane=HIGH).sealed_before  # a third task: nothing left
+
+
+def test_a_young_partial_batch_of_a_higher_lane_waits_for_a_full_lower_one(
+    aggregator: BatchAggregator,
+) -> None:
+    high = fill(aggregator, HIGH, 1)[0]
+    low = fill(aggregator, LOW, 3)[0]  # full
+    sealed = aggregator.seal(high, lane=HIGH)
+    assert sealed.batch_id == low
+    # Once it has waited its hold, the higher lane's partial batch goes first.
+    more_low = fill(aggregator, LOW, 3, tag="more")[0]
+    aggregator.configure(max_batch_size=3, deadline_ms=0)  # hold 0 ms: ready at once
+    assert aggregator.seal(more_low, lane=LOW).batch_id == high
+
+
+def test_with_nothing_ready_the_largest_open_batch_goes(aggregator: BatchAggregator) -> None:
+    high = fill(aggregator, HIGH, 1)[0]
+    low = fill(aggregator, LOW, 2)[0]
+    assert aggregator.seal(high, lane=HIGH).batch_id == low
+    assert aggregator.seal(low, lane=LOW).batch_id == high  # taken over: seals the rest
+
+
+def test_one_lane_seals_its_closed_batches_first(aggregator: BatchAggregator) -> None:
+    first = fill(aggregator, 0, 3)[0]  # closed
+    second = fill(aggregator, 0, 1)[0]  # open
+    assert aggregator.seal(second).batch_id == first  # the older, full one
+    assert aggregator.seal(first).batch_id == second  # first's task, taken over
+    assert aggregator.seal(first).sealed_before  # a duplicate: nothing
+    third = fill(aggregator, 0, 3)[0]
+    assert aggregator.seal(third).batch_id == third
+
+
+def test_a_task_that_seals_another_batch_hands_its_own_over(
+    aggregator: BatchAggregator,
+) -> None:
+    """The chosen batch's task was never confirmed sent: the task's own batch is due for a
+    hand-over in its stead, so that a task still comes for it."""
+    low = fill(aggregator, LOW, 1)[0]
+    unconfirmed = aggregator.append("lost", 60_000, lane=HIGH)  # its dispatcher died
+    for index in range(2):
+        aggregator.append(f"x{index}", 60_000, lane=HIGH)
+    keys = aggregator.shards[0]
+    assert aggregator.seal(low, lane=LOW).batch_id == unconfirmed.batch_id
+    assert aggregator.client.zscore(keys.sent, low) is None
+    assert aggregator.client.zscore(keys.handover_due, low) is not None
+    aggregator.configure(max_batch_size=3, deadline_ms=60_000)
+    time_after_grace = aggregator.seal(unconfirmed.batch_id, lane=HIGH)  # taken over
+    assert time_after_grace.batch_id == low
+
+
+def test_admission_of_a_lane_counts_the_lanes_above(aggregator: BatchAggregator) -> None:
+    inputs = AdmissionInputs(workers=1, turn_ms=100)
+    for index in range(4):  # four full batches of the high lane
+        fill(aggregator, HIGH, 3, tag=f"h{index}")
+    fill(aggregator, LOW, 1)
+    aggregator.refresh_admission(inputs)
+    admission_hash = aggregator.client.hgetall(aggregator.shards[0].admission)
+    high = float(admission_hash[f"predicted:{HIGH}".encode()])
+    low = float(admission_hash[f"predicted:{LOW}".encode()])
+    assert high == admission.predicted_ms(4, 1, 100)
+    assert low >= high  # the high lane's batches are ahead of it
+    # Another process reads the figures afresh (this one admits on what it read last).
+    other = BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=3)
+    assert other.append("late", int(low) - 1, lane=LOW).rejected
+    assert not other.append("patient", int(high) + 1, lane=HIGH).rejected
+
+
+def test_task_priority_puts_higher_tiers_first() -> None:
+    order = [task_priority(lane) for lane in (0, 10, 20, 30, 90, 500)]
+    assert order == sorted(order, reverse=True)
+    assert order[0] == PRIORITY_STEPS[-1]
+    assert order[-1] == PRIORITY_STEPS[0]
+    assert task_priority(UNKNOWN_LANE) == PRIORITY_STEPS[0]
