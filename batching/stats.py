@@ -9,6 +9,8 @@ machines with HINCRBY, so no process needs to know of the others.
   second in one pipeline: the request path never waits on Redis for statistics.
 - Workers write one pipeline per batch (size, expired, queue wait, sampling time, per-worker
   busy time) and one per heartbeat (worker-seconds alive, for the busy %).
+- Each tier's requests (outcome, latency histogram) ride in the same buckets, under fields
+  that name the tier (`tier_field`); `tier_counts` splits them out.
 - Usage per API key rides in the same buckets, under fields that name the key
   (`usage_field`): requests by outcome from the web processes, prompt and completion tokens
   from the workers. `usage_of` reads them back per key.
@@ -56,8 +58,28 @@ CACHE_HITS = "cache:hit"
 CACHE_MISSES = "cache:miss"
 
 
+# A tier's request fields: "t:<tier name>:" then "req:<outcome>" or "lat:<bucket>", the
+# queue's own names, so that a tier's counts make a Summary of their own.
+TIER_PREFIX = "t:"
+
+
 def usage_field(key_id: int, name: str) -> str:
     return f"{USAGE_PREFIX}{key_id}:{name}"
+
+
+def tier_field(tier: str, name: str) -> str:
+    return f"{TIER_PREFIX}{tier}:{name}"
+
+
+def tier_counts(counts: Mapping[str, int]) -> dict[str, Counter[str]]:
+    """Every tier's own counts in a bucket's (or a sum of buckets') counts, under the
+    queue's field names."""
+    found: dict[str, Counter[str]] = {}
+    for name, value in counts.items():
+        if name.startswith(TIER_PREFIX):
+            tier, _, field = name[len(TIER_PREFIX) :].partition(":")
+            found.setdefault(tier, Counter())[field] += value
+    return found
 
 
 @dataclass
@@ -134,19 +156,28 @@ class RequestStats:
         self._pending: defaultdict[int, Counter[str]] = defaultdict(Counter)
 
     def record(
-        self, outcome: RequestOutcome, latency_s: float, now: float | None = None, key_id: int = 0
+        self,
+        outcome: RequestOutcome,
+        latency_s: float,
+        now: float | None = None,
+        key_id: int = 0,
+        tier: str = "",
     ) -> None:
-        """The request path's only statistics work: a few dictionary increments (one more
-        for a request with an API key: its usage)."""
+        """The request path's only statistics work: a few dictionary increments (more for a
+        request of a tier, and one with an API key: its usage)."""
         latency_ms = latency_s * 1000
         second = int(time.time() if now is None else now)
+        requests, latency = "req:" + outcome, f"lat:{latency_bucket(latency_ms)}"
         with self._lock:
             counts = self._pending[second]
-            counts["req:" + outcome] += 1
-            counts[f"lat:{latency_bucket(latency_ms)}"] += 1
+            counts[requests] += 1
+            counts[latency] += 1
             counts["lat_us"] += int(latency_ms * 1000)
+            if tier:
+                counts[tier_field(tier, requests)] += 1
+                counts[tier_field(tier, latency)] += 1
             if key_id:
-                counts[usage_field(key_id, "req:" + outcome)] += 1
+                counts[usage_field(key_id, requests)] += 1
 
     def record_cache(self, hits: int, misses: int, now: float | None = None) -> None:
         """Items answered from the response cache, and items it was asked for but lacked."""

@@ -1,5 +1,5 @@
 """What the admin's stats page shows, read from Redis: charts of the last hour, the last
-minute's figures, the workers, and the GPU-count recommendation.
+minute's figures (in all and per tier), the workers, and the GPU-count recommendation.
 
 Django-free: a redis client, the queue and its policy in; plain data and SVG out.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -37,6 +38,40 @@ class WorkerRow:
     policy_version: int | None
 
 
+@dataclass(frozen=True)
+class TierRow:
+    """One tier's requests over the last minute."""
+
+    name: str
+    requests_rps: float
+    goodput_rps: float  # completions (ok) per second
+    goodput_percent: float | None  # of the tier's requests that asked for a completion
+    rejected: int  # 503: refused by admission
+    timeouts: int  # 504
+    rate_limited: int  # 429
+    p50_ms: float | None  # latency of all its answers
+    p99_ms: float | None
+
+    @classmethod
+    def of(cls, name: str, summary: stats.Summary) -> TierRow:
+        asked = summary.requests() - sum(
+            summary.requests(outcome)
+            for outcome in (RequestOutcome.BAD_REQUEST, RequestOutcome.RATE_LIMITED)
+        )
+        ok = summary.requests(RequestOutcome.OK)
+        return cls(
+            name=name,
+            requests_rps=summary.rate(),
+            goodput_rps=summary.rate(RequestOutcome.OK),
+            goodput_percent=100 * ok / asked if asked else None,
+            rejected=summary.requests(RequestOutcome.REJECTED),
+            timeouts=summary.requests(RequestOutcome.TIMEOUT),
+            rate_limited=summary.requests(RequestOutcome.RATE_LIMITED),
+            p50_ms=summary.latency_percentile_ms(50),
+            p99_ms=summary.latency_percentile_ms(99),
+        )
+
+
 @dataclass
 class Dashboard:
     queue: str
@@ -47,6 +82,7 @@ class Dashboard:
     recommendation: Recommendation
     workers: list[WorkerRow] = field(default_factory=list)
     charts: list[str] = field(default_factory=list)
+    tiers: list[TierRow] = field(default_factory=list)
 
     @property
     def headline(self) -> list[tuple[str, str]]:
@@ -81,7 +117,15 @@ class Dashboard:
         ]
 
 
-def build(client: redis.Redis, queue: str, policy: Policy, now: float | None = None) -> Dashboard:
+def build(
+    client: redis.Redis,
+    queue: str,
+    policy: Policy,
+    now: float | None = None,
+    tier_order: Sequence[str] = (),
+) -> Dashboard:
+    """The page's figures; its tiers in `tier_order` (highest priority first), then any other
+    tier that had requests, by name."""
     now = time.time() if now is None else now
     current_second = int(now)
     # Up to the bucket now filling, whose rates are over its elapsed seconds only.
@@ -109,7 +153,15 @@ def build(client: redis.Redis, queue: str, policy: Policy, now: float | None = N
     dashboard = Dashboard(queue, policy, now, recent, live, advice)
     dashboard.workers = _workers(aggregator, recent, now)
     dashboard.charts = _charts(hour, policy, now)
+    dashboard.tiers = _tiers(recent, tier_order)
     return dashboard
+
+
+def _tiers(recent: stats.Summary, tier_order: Sequence[str]) -> list[TierRow]:
+    by_tier = stats.tier_counts(recent.counts)
+    rank = {name: index for index, name in enumerate(tier_order)}
+    names = sorted(by_tier, key=lambda name: (rank.get(name, len(rank)), name))
+    return [TierRow.of(name, stats.Summary(by_tier[name], recent.seconds)) for name in names]
 
 
 def _workers(

@@ -9,7 +9,7 @@ from django.template.response import TemplateResponse
 from django.utils.safestring import mark_safe
 
 from operations import dashboard
-from operations.models import SamplingPolicy, default_policy, known_queues
+from operations.models import SamplingPolicy, Tier, default_policy, known_queues
 from sampling.runtime import redis_client, web_process
 
 
@@ -21,7 +21,8 @@ def stats_page(request: HttpRequest) -> HttpResponse:
     else:
         row = SamplingPolicy.objects.filter(queue=queue).first()
         policy = row.as_policy() if row else default_policy()
-    board = dashboard.build(redis_client(), queue, policy)
+    tiers = Tier.objects.values_list("name", flat=True)  # highest priority first
+    board = dashboard.build(redis_client(), queue, policy, tier_order=list(tiers))
     context = {
         **admin.site.each_context(request),
         "title": f"Live statistics of queue {queue}",

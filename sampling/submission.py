@@ -147,7 +147,7 @@ def counted(handle: Handler, words: Words) -> Callable[[HttpRequest], HttpRespon
         latency_s = time.monotonic() - arrival
         key_id = 0 if isinstance(caller, Failure) else caller.key_id
         tier = "" if isinstance(caller, Failure) else caller.tier
-        process.stats.record(outcome, latency_s, key_id=key_id)
+        process.stats.record(outcome, latency_s, key_id=key_id, tier=tier)
         metrics.record_request(outcome, latency_s, tier)
         return response
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import redis
 
 from batching import stats
 from batching.aggregator import BatchAggregator
+from batching.outcomes import RequestOutcome
 from batching.policy import Policy
 from operations import dashboard
 from tests.support import unique_queue
@@ -56,3 +58,47 @@ def test_fixed_scenario_matches_the_hand_calculation(redis_client: redis.Redis) 
     assert 'data-series="fill"' in fill_chart
     assert 'data-series="busy"' in busy_chart
     assert "deadline 500 ms" in latency_chart
+
+
+def test_tier_rows_count_each_tier_apart(redis_client: redis.Redis) -> None:
+    queue = unique_queue("dash-tiers")
+    now = time.time()
+    recorder = stats.RequestStats(queue)
+    sent = {  # tier -> (outcome, latency s, how many)
+        "enterprise": [(RequestOutcome.OK, 0.100, 120)],
+        "free": [
+            (RequestOutcome.OK, 0.200, 30),
+            (RequestOutcome.REJECTED, 0.005, 60),
+            (RequestOutcome.TIMEOUT, 0.500, 10),
+            (RequestOutcome.RATE_LIMITED, 0.001, 7),
+        ],
+    }
+    for tier, answers in sent.items():
+        for outcome, latency_s, count in answers:
+            for index in range(count):
+                recorder.record(outcome, latency_s, now=now - 30 + index % 20, tier=tier)
+    recorder.record(RequestOutcome.UNAUTHORIZED, 0.001, now=now - 5)  # no tier: no row
+    recorder.flush(redis_client)
+
+    order = ["enterprise", "plus", "free"]
+    board = dashboard.build(redis_client, queue, Policy(), now=now, tier_order=order)
+    assert [row.name for row in board.tiers] == ["enterprise", "free"]  # plus sent nothing
+    for row in board.tiers:
+        answers = sent[row.name]
+        total = sum(count for _, _, count in answers)
+        ok = sum(count for outcome, _, count in answers if outcome == RequestOutcome.OK)
+        limited = sum(c for o, _, c in answers if o == RequestOutcome.RATE_LIMITED)
+        assert row.requests_rps == total / dashboard.RECENT_S
+        assert row.goodput_rps == ok / dashboard.RECENT_S
+        assert row.goodput_percent == 100 * ok / (total - limited)
+        assert row.rate_limited == limited
+        by_outcome = {outcome: count for outcome, _, count in answers}
+        assert row.rejected == by_outcome.get(RequestOutcome.REJECTED, 0)
+        assert row.timeouts == by_outcome.get(RequestOutcome.TIMEOUT, 0)
+    enterprise, free = board.tiers
+    assert enterprise.p99_ms == pytest.approx(100, rel=0.1)  # buckets are 10% wide
+    # free's median answer is one of its 60 refusals (5 ms), its p99 a timeout (500 ms)
+    assert free.p50_ms == pytest.approx(5, rel=0.1)
+    assert free.p99_ms == pytest.approx(500, rel=0.1)
+    # The tiers' counts are apart from the queue's, which has every request.
+    assert board.recent.requests() == sum(c for a in sent.values() for _, _, c in a) + 1
