@@ -100,8 +100,11 @@ HOLD_DEADLINE_FRACTION = 0.25
 # A seal looks this far into a lane's closed batches for the oldest one whose newest item can
 # still be answered in time (the others' members time out at their deadline, without a call).
 VIABLE_SCAN = 10
-# Weight of a lane's newest sealed batch in its running figure of how long its batches wait.
-WAITED_WEIGHT = 0.3
+# Weight of each seal in a lane's running share of the shard's turns that no higher lane
+# claimed with a ready batch (the turns left to it): about the last 10 turns count.
+SHARE_WEIGHT = 0.1
+# The smallest share admission divides by: a lane left no turn at all waits "forever".
+MIN_SHARE = 0.01
 
 _NOW_LUA = """
 local t = redis.call('TIME')
@@ -191,13 +194,17 @@ end
 # request. A lane's backlog is this shard's closed batches of its lane and the lanes above
 # opened within the window, times the shards (requests are spread evenly over them, and the
 # workers take every shard's batches from one queue), and the other shards' open batches of
-# those lanes; not its own open batch, which a newcomer joins. Below the highest lane, batches
-# of the lanes above keep coming ahead of the backlog: there the figure is at least the age of
-# the lane's oldest closed batch (however old: a lane served late has batches older than the
-# window), and while the lane has a batch waiting, how long its batches waited lately for
-# their seal (`waited:<lane>`, kept by the seals), plus the extra turns each: a newcomer
-# waits at least as long. A lane with no batch waiting is admitted on its backlog alone, so
-# that a lane refused for a while is tried again.
+# those lanes; not its own open batch, which a newcomer joins.
+#
+# Below the highest lane, the lanes above keep sending batches that go first, so the backlog
+# alone admits requests that then wait past their deadline. There a lane gets the turns the
+# lanes above leave it: its share of the shard's recent turns (`share:<lane>`, kept by the
+# seals; a turn counts for every lane when no lane claimed it with a ready batch), one every
+# turn x shards / workers / share ms. Its next turn is due that long after its last one
+# (`avail_at:<lane>`), its closed batches take one such interval each, and the newcomer's
+# batch then runs its own call after the running one, with one turn to spare for the figure's
+# age: a newcomer that cannot be answered in time is refused at once. At light load every
+# turn is every lane's (share 1), and the figure is the backlog's.
 # Returns lane 0's figure.
 _REFRESH_ADMISSION_LUA = (
     ADMISSION_LUA
@@ -211,22 +218,20 @@ local function refresh_admission(prefix, lanes, admission_key, now)
   local ahead, lane_zero = 0, 0
   for rank, lane in ipairs(lanes) do
     local unsealed_key = lane_key(prefix, 'unsealed', lane)
-    ahead = ahead + redis.call('ZCOUNT', unsealed_key, since, '+inf') * shards
+    local closed = redis.call('ZCOUNT', unsealed_key, since, '+inf')
+    ahead = ahead + closed * shards
     if redis.call('EXISTS', lane_key(prefix, 'open', lane)) == 1 then
       ahead = ahead + shards - 1
     end
     local predicted = predicted_ms(ahead, workers, turn_ms) or 0
-    if rank > 1 then
-      local oldest = redis.call('ZRANGEBYSCORE', unsealed_key, now - 4 * window_ms, '+inf',
-                                'WITHSCORES', 'LIMIT', 0, 1)
-      local _, opened = open_batch(lane_key(prefix, 'open', lane))
-      if oldest[2] then
-        predicted = math.max(predicted, now - tonumber(oldest[2])
-                                        + WORST_CASE_EXTRA_TURNS * turn_ms)
-      end
-      if oldest[2] or opened then
-        local waited = tonumber(redis.call('HGET', admission_key, 'waited:' .. lane) or 0)
-        predicted = math.max(predicted, waited + WORST_CASE_EXTRA_TURNS * turn_ms)
+    if rank > 1 and workers > 0 then
+      local left = redis.call('HMGET', admission_key, 'share:' .. lane, 'avail_at:' .. lane)
+      local share = tonumber(left[1])
+      if share then
+        local interval = turn_ms * shards / workers / math.max(share, MIN_SHARE)
+        local next_turn = math.max(now, (tonumber(left[2]) or now) + interval)
+        predicted = math.max(predicted, next_turn - now + closed * interval
+                                        + (WORST_CASE_EXTRA_TURNS + 1) * turn_ms)
       end
     end
     if lane == 0 then
@@ -238,7 +243,9 @@ local function refresh_admission(prefix, lanes, admission_key, now)
   end
   return lane_zero
 end
-""".replace("WORST_CASE_EXTRA_TURNS", str(WORST_CASE_EXTRA_TURNS))
+""".replace("WORST_CASE_EXTRA_TURNS", str(WORST_CASE_EXTRA_TURNS)).replace(
+        "MIN_SHARE", str(MIN_SHARE)
+    )
 )
 
 # KEYS: cached answer, open pointer, pending items, admission (hash), [rate counter]
@@ -384,16 +391,30 @@ for _, lane in ipairs(lanes) do
   end
 end
 local taken_over = not task_lane_found and redis.call('ZREM', KEYS[5], task_bid) == 1
-local lane
+local lane, claimed
 if exact or not (task_lane_found or taken_over) then
   lane = task_lane_found
 else
   for _, each in ipairs(lanes) do
     if oldest[each] or (opens[each] and now - opens[each][2] >= hold) then
-      lane = each
+      lane, claimed = each, each
       break
     end
   end
+  -- The turn was left to every lane below the one that claimed it (every lane, when none
+  -- did): the lanes' shares of the shard's turns, for admission.
+  local shares = {}
+  for _, each in ipairs(lanes) do
+    local left = (not claimed or each >= claimed) and 1 or 0
+    local share = tonumber(redis.call('HGET', KEYS[3], 'share:' .. each) or 1)
+    table.insert(shares, 'share:' .. each)
+    table.insert(shares, share + SHARE_WEIGHT * (left - share))
+    if left == 1 then
+      table.insert(shares, 'avail_at:' .. each)
+      table.insert(shares, now)
+    end
+  end
+  if #shares > 0 then redis.call('HSET', KEYS[3], unpack(shares)) end
   if not lane then
     local most = 0
     for _, each in ipairs(lanes) do
@@ -431,14 +452,7 @@ if chosen then
   end
   redis.call('ZREM', unsealed_key, chosen)
   redis.call('ZREMRANGEBYSCORE', unsealed_key, '-inf', stale)
-  if lane > 0 then
-    redis.call('ZADD', KEYS[1], now, lane)
-    if opened_at >= 0 then
-      local field = 'waited:' .. lane
-      local waited = tonumber(redis.call('HGET', KEYS[3], field) or (now - opened_at))
-      redis.call('HSET', KEYS[3], field, waited + WAITED_WEIGHT * (now - opened_at - waited))
-    end
-  end
+  if lane > 0 then redis.call('ZADD', KEYS[1], now, lane) end
   if chosen ~= task_bid and task_lane_found then
     redis.call('ZADD', KEYS[5], now, chosen)
     inherit(KEYS[4], chosen, task_bid)
@@ -470,7 +484,7 @@ return reply
 )
 for name, value in {
     "LANE_KEEP_TTLS": LANE_KEEP_TTLS,
-    "WAITED_WEIGHT": WAITED_WEIGHT,
+    "SHARE_WEIGHT": SHARE_WEIGHT,
     "VIABLE_SCAN": VIABLE_SCAN,
 }.items():
     SEAL_LUA = SEAL_LUA.replace(name, str(value))

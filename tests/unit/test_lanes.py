@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from batching import admission
-from batching.aggregator import AdmissionInputs, BatchAggregator, Item
+from batching.aggregator import SHARE_WEIGHT, AdmissionInputs, BatchAggregator, Item
 from batching.protocol import PRIORITY_STEPS, UNKNOWN_LANE, task_priority
 from tests.support import unique_queue
 
@@ -130,3 +130,38 @@ def test_task_priority_puts_higher_tiers_first() -> None:
     assert order[0] == PRIORITY_STEPS[-1]
     assert order[-1] == PRIORITY_STEPS[0]
     assert task_priority(UNKNOWN_LANE) == PRIORITY_STEPS[0]
+
+
+def test_a_lower_lane_is_admitted_on_the_turns_the_lanes_above_leave_it(
+    aggregator: BatchAggregator,
+) -> None:
+    inputs = AdmissionInputs(workers=1, turn_ms=100)
+    aggregator.refresh_admission(inputs)
+    fill(aggregator, LOW, 1)  # a low request waits in its open batch
+    claimed = 12
+    for index in range(claimed):  # the high lane claims every turn with a full batch
+        own = fill(aggregator, HIGH, 3, tag=f"h{index}")[0]
+        assert aggregator.seal(own, inputs, lane=HIGH).lane == HIGH
+    figures = aggregator.client.hgetall(aggregator.shards[0].admission)
+    share = float(figures[f"share:{LOW}".encode()])
+    assert share == pytest.approx((1 - SHARE_WEIGHT) ** claimed)
+    assert float(figures[f"share:{HIGH}".encode()]) == 1  # every turn was the high lane's
+    # One low turn in 1 / share turns, and none yet: the next is an interval away, then its
+    # own call after the running one, and one turn to spare.
+    interval = 100 / share
+    expected = interval + (admission.WORST_CASE_EXTRA_TURNS + 1) * 100
+    assert float(figures[f"predicted:{LOW}".encode()]) == pytest.approx(expected, abs=5)
+    assert float(figures[f"predicted:{HIGH}".encode()]) == 0  # no backlog
+    other = BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=3)
+    assert other.append("too late", int(expected) - 10, lane=LOW).rejected
+    assert not other.append("in time", int(expected) + 10, lane=LOW).rejected
+
+    # The high lane stops: with nothing ready, the turns are everyone's again, and the low
+    # lane's next turn is one call away.
+    def figure(name: str) -> float:
+        return float(aggregator.client.hget(aggregator.shards[0].admission, name) or 0)
+
+    while figure(f"share:{LOW}") < 0.9:
+        aggregator.seal(fill(aggregator, LOW, 1, tag="light")[0], inputs, lane=LOW)
+    spare = (admission.WORST_CASE_EXTRA_TURNS + 1) * 100
+    assert figure(f"predicted:{LOW}") == pytest.approx(100 / figure(f"share:{LOW}") + spare)
