@@ -43,7 +43,7 @@ from batching.access import POLL_INTERVAL_S, STARTING_TIERS
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from bench import loadgen
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from inference_site.lib.embedded_redis import redis_url_or_embedded
 from inference_site.lib.stack import ROOT, Stack
 from workers.samplers.simulated import expected_completion
 
@@ -165,23 +165,18 @@ def medians(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, fl
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--load", type=float, default=1.5, help="offered load / the limit")
-    args = parser.parse_args()
-    batch_ms = int(os.environ.get("SIMULATED_BATCH_MS", "50"))
-    max_batch = int(os.environ.get("SAMPLING_MAX_BATCH_SIZE", "25"))
-    deadline_ms = int(os.environ.get("SAMPLING_DEADLINE_MS", "500"))
+def run(
+    redis_url: str,
+    rounds_wanted: int,
+    seconds: float,
+    load: float,
+    batch_ms: int,
+    max_batch: int,
+    deadline_ms: int,
+) -> list[dict[str, dict[str, float]]]:
+    """The rounds' rows, on a stack of its own with one simulated GPU."""
     limit_rps = max_batch * 1000 / batch_ms
-    rate_rps = args.load * limit_rps
-
-    redis_server = None
-    redis_url = os.environ.get("REDIS_URL")
-    if not redis_url:
-        redis_server = EmbeddedRedis().start()
-        redis_url = redis_server.url
+    rate_rps = load * limit_rps
     queue = f"bench-tiers-{uuid.uuid4().hex[:6]}"
     stack = Stack(
         env={
@@ -197,31 +192,47 @@ def main() -> None:
         web_processes=2,
         log_dir=Path("/tmp") / f"bench-{queue}",
     )
-    rounds = []
+    rounds: list[dict[str, dict[str, float]]] = []
     try:
         stack.start(timeout_s=120)
         keys = make_keys(stack)
         print(
             f"1 simulated GPU: {batch_ms} ms a call, batches of {max_batch}, deadline "
             f"{deadline_ms} ms; limit {limit_rps:.0f} req/s, offered {rate_rps:.0f} req/s "
-            f"({args.load:.0%}): {', '.join(f'{t} {s:.0%}' for t, s in MIX.items())}",
+            f"({load:.0%}): {', '.join(f'{t} {s:.0%}' for t, s in MIX.items())}",
             flush=True,
         )
         one_round(stack, keys, limit_rps * 0.5, WARM_UP_S, seed=999)
         client = redis.Redis.from_url(redis_url)
         aggregator = BatchAggregator(client, queue)
         priorities = {tier: STARTING_TIERS[tier] for tier in MIX}
-        for index in range(args.rounds):
+        for index in range(rounds_wanted):
             client.delete(aggregator.keys.batch_log)
-            rows = one_round(stack, keys, rate_rps, args.seconds, seed=index + 1)
+            rows = one_round(stack, keys, rate_rps, seconds, seed=index + 1)
             rounds.append(rows)
             print(f"\nround {index + 1}\n{table(rows, limit_rps)}", flush=True)
             print(batches(aggregator, priorities), flush=True)
             time.sleep(1.0)
     finally:
         stack.stop()
-        if redis_server is not None:
-            redis_server.stop()
+    return rounds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--load", type=float, default=1.5, help="offered load / the limit")
+    args = parser.parse_args()
+    batch_ms = int(os.environ.get("SIMULATED_BATCH_MS", "50"))
+    max_batch = int(os.environ.get("SAMPLING_MAX_BATCH_SIZE", "25"))
+    deadline_ms = int(os.environ.get("SAMPLING_DEADLINE_MS", "500"))
+    limit_rps = max_batch * 1000 / batch_ms
+
+    with redis_url_or_embedded() as redis_url:
+        rounds = run(
+            redis_url, args.rounds, args.seconds, args.load, batch_ms, max_batch, deadline_ms
+        )
     if len(rounds) > 1:
         print(f"\nmedians over {len(rounds)} rounds\n{table(medians(rounds), limit_rps)}")
 
