@@ -214,6 +214,7 @@ def run_design(
         web_processes=2,
         worker_args=design.worker_args,
         log_dir=Path("/tmp") / "bench-compare" / queue,
+        own_database=True,
     )
     client = redis.Redis.from_url(redis_url)
     rows = []

@@ -97,6 +97,7 @@ def one_round(topology: str, rate_rps: float, seconds: float, work: Path) -> dic
                     gpus=[None] * GPUS if node == 0 else [],
                     web_processes=1,
                     log_dir=work / queue / f"node-{node}",
+                    own_database=True,
                 )
                 stacks.append(stack)
                 stack.start(timeout_s=90)

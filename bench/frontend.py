@@ -31,7 +31,6 @@ import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -122,14 +121,10 @@ def single_latencies_ms(port: int, count: int) -> list[float]:
 def _limited_key(stack: Stack) -> str:
     """A key with a request limit no run reaches (every request raises its counter), made as
     an operator makes one, once every web process has it."""
-    manage = [sys.executable, str(ROOT / "manage.py")]
-    # The key's row goes to a database of its own: the web processes read keys from Redis.
-    database = Path(tempfile.mkdtemp(prefix="bench-keys-")) / "db.sqlite3"
-    env = {**os.environ, **stack.environment(), "DATABASE_URL": f"sqlite:///{database}"}
-    subprocess.run([*manage, "migrate", "--noinput", "-v0"], env=env, check=True)
+    # In the stack's own database (Stack.own_database): the web processes republish its keys.
     made = subprocess.run(
-        [*manage, "createapikey", "bench", "--rpm", "100000000"],
-        env=env, capture_output=True, text=True, check=True,
+        [sys.executable, str(ROOT / "manage.py"), "createapikey", "bench", "--rpm", "100000000"],
+        env=stack.environment(), capture_output=True, text=True, check=True,
     )  # fmt: skip
     key = made.stdout.strip().splitlines()[-1]
     time.sleep(2 * POLL_INTERVAL_S + 0.5)
@@ -149,7 +144,8 @@ def compare(ref: str, rounds: int, cpu_requests: int, sequential: int) -> None:
                 env = {"REDIS_URL": server.url, "SAMPLER": "simulated", "SAMPLING_QUEUE": queue,
                        "DJANGO_SECRET_KEY": "bench-only-" + uuid.uuid4().hex}  # fmt: skip
                 stack = Stack(env=env, gpus=[None], web_processes=2, root=tree.root,
-                              log_dir=Path("/tmp") / f"bench-{queue}")  # fmt: skip
+                              log_dir=Path("/tmp") / f"bench-{queue}",
+                              own_database=True)  # fmt: skip
                 try:
                     stack.start(timeout_s=120)
                     assert stack.web is not None
@@ -227,7 +223,8 @@ def main() -> None:
     def start(label: str, gpus: list[int | None], **env: str) -> Stack:
         queue = f"bench-{label}-{uuid.uuid4().hex[:6]}"
         stack = Stack(env={**base_env, "SAMPLING_QUEUE": queue, **env}, gpus=gpus,
-                      web_processes=2, log_dir=Path("/tmp") / f"bench-{queue}")  # fmt: skip
+                      web_processes=2, log_dir=Path("/tmp") / f"bench-{queue}",
+                      own_database=True)  # fmt: skip
         stacks.append(stack)
         return stack.start(timeout_s=120)
 

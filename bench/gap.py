@@ -153,6 +153,7 @@ class Bench:
             gpus=gpus,
             root=tree.root,
             log_dir=self.work / queue,
+            own_database=True,
         )
         try:
             yield stack, log

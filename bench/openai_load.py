@@ -145,7 +145,9 @@ def main() -> None:
         redis_url = redis_server.url
     queue = f"bench-openai-{uuid.uuid4().hex[:6]}"
     env = {"REDIS_URL": redis_url, "SAMPLER": "simulated", "SAMPLING_QUEUE": queue}
-    stack = Stack(env=env, gpus=[None], web_processes=2, log_dir=Path("/tmp") / queue)
+    stack = Stack(
+        env=env, gpus=[None], web_processes=2, log_dir=Path("/tmp") / queue, own_database=True
+    )
     figures: dict[str, list[dict[str, float]]] = {"aiperf": [], "bench.loadgen": []}
     try:
         stack.start(timeout_s=120)

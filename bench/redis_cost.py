@@ -98,6 +98,7 @@ class Bench:
             },
             gpus=[None] * WORKERS,
             root=tree.root,
+            own_database=True,
             log_dir=self.work / queue,
         )
         try:

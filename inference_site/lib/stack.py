@@ -48,6 +48,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# One migrated SQLite file per tree, copied for each stack that asks for a database of its own.
+_MIGRATED: dict[Path, Path] = {}
+
+
+def migrated_database(root: Path, env: Mapping[str, str]) -> str:
+    """The URL of a new SQLite database with `root`'s migrations applied: a copy of one
+    migrated once per tree and process (a migration takes seconds, a copy nothing)."""
+    template = _MIGRATED.get(root)
+    if template is None:
+        template = Path(tempfile.mkdtemp(prefix="stack-db-")) / "migrated.sqlite3"
+        subprocess.run(
+            [sys.executable, str(root / "manage.py"), "migrate", "--noinput", "-v0"],
+            cwd=root, env={**env, "DATABASE_URL": f"sqlite:///{template}"}, check=True,
+        )  # fmt: skip
+        _MIGRATED[root] = template
+    copy = Path(tempfile.mkdtemp(prefix="stack-db-")) / "db.sqlite3"
+    shutil.copyfile(template, copy)
+    return f"sqlite:///{copy}"
+
+
 @dataclass
 class Stack:
     env: dict[str, str] = field(default_factory=dict)  # overrides for every process
@@ -60,6 +80,10 @@ class Stack:
     root: Path = ROOT
     port: int = 0
     log_dir: Path | None = None  # None: the processes write to this terminal
+    # A migrated database of the stack's own, unless DATABASE_URL is set: a benchmark's stack
+    # must not share the tree's db.sqlite3, whose keys and policy its web processes would
+    # publish over the benchmark's (or fail on every housekeeping run, when not migrated).
+    own_database: bool = False
     redis: EmbeddedRedis | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     web: subprocess.Popen[bytes] | None = None
@@ -92,6 +116,8 @@ class Stack:
             self.env["REDIS_URL"] = self.redis.url
         if not self.port:
             self.port = env_int("PORT", 0, environ=self.env) or free_port()
+        if self.own_database and "DATABASE_URL" not in self.environment():
+            self.env["DATABASE_URL"] = migrated_database(self.root, self.environment())
         for gpu in self.gpus:
             self.start_worker(gpu)
         self.start_web()
