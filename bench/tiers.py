@@ -26,6 +26,12 @@ goodput as a share of the tier's offered load, p50 and p99 latency of its comple
 503s with their p99 latency, and its 504s; the total goodput as a share of the limit; the
 turns the GPU took (a worker's own time between two calls makes a turn longer than a call)
 and what they could have carried at full batches; and the client's send lag (p99).
+
+Each round is preceded by a baseline on the same stack at the same load, with every request
+of one tier: one lane, so every turn takes a full batch and admission has no tier to weigh.
+What it serves is the GPU's limit as this machine measures it (the nominal limit less the
+worker's time between calls and what the front end's CPU costs), and the tiers' total is
+also printed as a share of it: the share of the GPU that priorities cost.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ from workers.samplers.simulated import expected_completion
 
 # The scenario's traffic: tier -> share of the requests.
 MIX = {"enterprise": 0.30, "plus": 0.30, "free": 0.40}
+# The baseline's: the same requests, all of one tier.
+ONE_TIER = {"plus": 1.0}
 WARM_UP_S = 3.0
 
 
@@ -73,12 +81,17 @@ def make_keys(stack: Stack) -> dict[str, str]:
 
 
 def one_round(
-    stack: Stack, keys: dict[str, str], rate_rps: float, seconds: float, seed: int
+    stack: Stack,
+    keys: dict[str, str],
+    rate_rps: float,
+    seconds: float,
+    seed: int,
+    mix: dict[str, float] = MIX,
 ) -> dict[str, dict[str, float]]:
     rng = random.Random(seed)
-    tiers = list(MIX)
+    tiers = list(mix)
     count = int(rate_rps * seconds * 1.5) + 100  # more than the schedule can hold
-    tier_of = rng.choices(tiers, weights=[MIX[tier] for tier in tiers], k=count)
+    tier_of = rng.choices(tiers, weights=[mix[tier] for tier in tiers], k=count)
     run_id = uuid.uuid4().hex[:6]
     results = loadgen.run(
         "127.0.0.1",
@@ -121,7 +134,9 @@ def one_round(
     return rows
 
 
-def table(rows: dict[str, dict[str, float]], limit_rps: float) -> str:
+def table(
+    rows: dict[str, dict[str, float]], limit_rps: float, one_tier_rps: float | None = None
+) -> str:
     lines = [
         "| tier | offered req/s | served req/s | goodput (of offered) | p50 ms | p99 ms "
         "| 503s | 503 p99 ms | 504s | other |",
@@ -139,6 +154,12 @@ def table(rows: dict[str, dict[str, float]], limit_rps: float) -> str:
         f"\ntotal goodput: {total:.0f} req/s = {100 * total / limit_rps:.1f}% of the limit; "
         f"the client's send lag p99 {rows['total']['send_lag_p99_ms']:.1f} ms"
     )
+    if one_tier_rps:
+        lines.append(
+            f"one tier alone, the same load: {one_tier_rps:.0f} req/s = "
+            f"{100 * one_tier_rps / limit_rps:.1f}% of the limit; the tiers' total is "
+            f"{100 * total / one_tier_rps:.1f}% of it"
+        )
     return "\n".join(lines)
 
 
@@ -186,8 +207,9 @@ def run(
     batch_ms: int,
     max_batch: int,
     deadline_ms: int,
-) -> list[dict[str, dict[str, float]]]:
-    """The rounds' rows, on a stack of its own with one simulated GPU."""
+) -> tuple[list[dict[str, dict[str, float]]], list[float]]:
+    """The rounds' rows, and each round's one-tier goodput (req/s), on a stack of its own
+    with one simulated GPU."""
     limit_rps = max_batch * 1000 / batch_ms
     rate_rps = load * limit_rps
     queue = f"bench-tiers-{uuid.uuid4().hex[:6]}"
@@ -207,6 +229,7 @@ def run(
         own_database=True,
     )
     rounds: list[dict[str, dict[str, float]]] = []
+    one_tier: list[float] = []  # served req/s of each round's one-tier run
     try:
         stack.start(timeout_s=120)
         keys = make_keys(stack)
@@ -221,10 +244,21 @@ def run(
         aggregator = BatchAggregator(client, queue)
         priorities = {tier: STARTING_TIERS[tier] for tier in MIX}
         for index in range(rounds_wanted):
+            # The GPU's limit as this machine measures it: the same load, the same stack, one
+            # tier only (one lane: every turn a full batch, nothing to choose between), just
+            # before the tiers' round. What the tiers serve below it is what priorities cost.
+            alone = one_round(stack, keys, rate_rps, seconds, seed=index + 1, mix=ONE_TIER)
+            one_tier.append(alone["total"]["served_rps"])
+            print(
+                f"\nround {index + 1}, one tier alone: "
+                f"{alone['total']['served_rps']:.0f} req/s served",
+                flush=True,
+            )
+            time.sleep(1.0)
             client.delete(aggregator.keys.batch_log)
             rows = one_round(stack, keys, rate_rps, seconds, seed=index + 1)
             rounds.append(rows)
-            print(f"\nround {index + 1}\n{table(rows, limit_rps)}", flush=True)
+            print(f"round {index + 1}\n{table(rows, limit_rps, one_tier[-1])}", flush=True)
             print(
                 batches(aggregator, priorities, max_batch, rows["total"]["served_rps"]),
                 flush=True,
@@ -232,7 +266,7 @@ def run(
             time.sleep(1.0)
     finally:
         stack.stop()
-    return rounds
+    return rounds, one_tier
 
 
 def main() -> None:
@@ -247,11 +281,12 @@ def main() -> None:
     limit_rps = max_batch * 1000 / batch_ms
 
     with redis_url_or_embedded() as redis_url:
-        rounds = run(
+        rounds, one_tier = run(
             redis_url, args.rounds, args.seconds, args.load, batch_ms, max_batch, deadline_ms
         )
     if len(rounds) > 1:
-        print(f"\nmedians over {len(rounds)} rounds\n{table(medians(rounds), limit_rps)}")
+        summary = table(medians(rounds), limit_rps, statistics.median(one_tier))
+        print(f"\nmedians over {len(rounds)} rounds\n{summary}")
 
 
 if __name__ == "__main__":
