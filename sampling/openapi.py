@@ -32,7 +32,9 @@ def _body(model: type[BaseModel]) -> dict[str, Any]:
 def _errors(model: type[BaseModel], *statuses: int) -> dict[str, Any]:
     reasons = {
         400: "Invalid request: the message and `param` name the problem.",
+        401: "A key is required and missing, unknown, revoked or expired.",
         404: "Unknown model.",
+        429: "The key is over its rate limit: try again after Retry-After.",
         502: "The sampler failed for the batch.",
         503: "Overloaded or the queue unavailable: try again after Retry-After.",
         504: "No completion within the deadline.",
@@ -54,7 +56,7 @@ def _generation(request: type[BaseModel], answer: type[BaseModel], summary: str)
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
-                **_errors(schemas.ErrorResponse, 400, 404, 502, 503, 504),
+                **_errors(schemas.ErrorResponse, 400, 401, 404, 429, 502, 503, 504),
             },
         }
     }
@@ -80,19 +82,27 @@ def openapi_document() -> dict[str, Any]:
                 schemas.ErrorResponse,
                 schemas.InferenceResponse,
                 schemas.InferenceError,
+                schemas.UsageReport,
             )
         ],
         ref_template=REF,
     )
     model_id = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    day = {
+        "name": "date",
+        "in": "query",
+        "required": False,
+        "description": "The UTC day, YYYY-MM-DD; today by default.",
+        "schema": {"type": "string", "format": "date"},
+    }
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "Sampling service",
             "version": "1",
-            "description": "OpenAI-compatible completions, chat and models, and a plain JSON "
-            "inference API. POST /sample (a raw prompt in, a plain-text completion out) is "
-            "documented in the README.",
+            "description": "OpenAI-compatible completions, chat and models, a plain JSON "
+            "inference API, and each key's usage. POST /sample (a raw prompt in, a plain-text "
+            "completion out) is documented in the README.",
         },
         "paths": {
             "/v1/completions": _generation(
@@ -105,7 +115,8 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "summary": "The served model",
                     "responses": {
-                        "200": {"description": "OK", "content": _content(schemas.ModelList)}
+                        "200": {"description": "OK", "content": _content(schemas.ModelList)},
+                        **_errors(schemas.ErrorResponse, 401),
                     },
                 }
             },
@@ -115,7 +126,7 @@ def openapi_document() -> dict[str, Any]:
                     "parameters": [model_id],
                     "responses": {
                         "200": _ok(schemas.Model),
-                        **_errors(schemas.ErrorResponse, 404),
+                        **_errors(schemas.ErrorResponse, 401, 404),
                     },
                 }
             },
@@ -131,7 +142,18 @@ def openapi_document() -> dict[str, Any]:
                             "description": "OK",
                             "content": _content(schemas.InferenceResponse),
                         },
-                        **_errors(schemas.InferenceError, 400, 502, 503, 504),
+                        **_errors(schemas.InferenceError, 400, 401, 429, 502, 503, 504),
+                    },
+                }
+            },
+            "/v1/usage": {
+                "get": {
+                    "summary": "The calling key's usage on one day, per model",
+                    "parameters": [day],
+                    "responses": {
+                        "200": _ok(schemas.UsageReport),
+                        # 401 also without a key when keys are not required: usage is per key.
+                        **_errors(schemas.ErrorResponse, 400, 401, 503),
                     },
                 }
             },

@@ -286,6 +286,8 @@ class InferenceResponse(BaseModel):
 class InferenceError(BaseModel):
     error: Literal[
         "INVALID_REQUEST",
+        "UNAUTHORIZED",
+        "RATE_LIMITED",
         "SERVICE_OVERLOADED",
         "SERVICE_UNAVAILABLE",
         "DEADLINE_EXCEEDED",
@@ -293,3 +295,20 @@ class InferenceError(BaseModel):
     ]
     message: str
     retry_after_ms: int | None = None
+
+
+class UsageByModel(BaseModel):
+    model: str
+    usage: Usage
+    requests: dict[str, int] = Field(
+        description="The key's requests: `total`, and how many ended in each outcome."
+    )
+
+
+class UsageReport(BaseModel):
+    """GET /v1/usage: the calling key's usage on one UTC day, per model."""
+
+    model_config = _STRICT
+    object: Literal["list"]
+    date: str = Field(description="The UTC day, YYYY-MM-DD.")
+    data: list[UsageByModel]

@@ -321,7 +321,7 @@ def test_the_openapi_document_describes_every_endpoint(api: Stack) -> None:
     document = json.loads(reply.body)
     assert set(document["paths"]) == {
         "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}",
-        "/api/inference",
+        "/api/inference", "/v1/usage",
     }  # fmt: skip
 
 

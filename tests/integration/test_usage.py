@@ -20,6 +20,7 @@ from openai import OpenAI
 
 from batching.outcomes import RequestOutcome
 from inference_site.lib.stack import ROOT, Stack
+from sampling.schemas import UsageReport
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample
@@ -60,6 +61,7 @@ def usage(stack: Stack, key: str, day: str | None = None) -> dict[str, Any]:
     path = "/v1/usage" + (f"?date={day}" if day is not None else "")
     reply = request(stack.base_url, path, method="GET", headers=bearer(key))
     assert reply.status == 200, reply.body
+    UsageReport.model_validate_json(reply.body)  # the answer is what the OpenAPI document says
     return dict(json.loads(reply.body))
 
 
