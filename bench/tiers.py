@@ -167,7 +167,9 @@ def batches(
     aggregator: BatchAggregator, priorities: dict[str, int], max_batch: int, served_rps: float
 ) -> str:
     """Per tier, the batches the round ran (the worker's batch log): how many, their mean
-    size, and how many of their items were sampled (not dropped at their deadline); how often
+    size, and how many of their items were sampled (not dropped at their deadline); the calls
+    they took, the places of those calls left empty (a part-full batch, or members past their
+    deadline), and the seals that found every member past its deadline (no call); how often
     the GPU took a turn, what full batches would have carried, and the share of that served."""
     records = [json.loads(raw) for raw in aggregator.recent_batches()]
     parts = []
@@ -176,7 +178,13 @@ def batches(
         if mine:
             size = statistics.mean(record["size"] for record in mine)
             sampled = statistics.mean(record["sampled"] for record in mine)
-            parts.append(f"{tier}: {len(mine)} batches of {size:.1f} ({sampled:.1f} sampled)")
+            called = [record for record in mine if record["sampled"]]
+            empty = sum(max_batch - record["sampled"] for record in called)
+            parts.append(
+                f"{tier}: {len(mine)} batches of {size:.1f} ({sampled:.1f} sampled), "
+                f"{len(called)} calls with {empty} places empty, "
+                f"{len(mine) - len(called)} seals without a call"
+            )
     sealed_at = sorted(record["sealed_at_ms"] for record in records)
     gaps = [later - earlier for earlier, later in itertools.pairwise(sealed_at)]
     if gaps:
@@ -186,9 +194,6 @@ def batches(
             f"a turn every {turn_ms:.1f} ms (median): {full_rps:.0f} req/s at full batches, "
             f"{100 * served_rps / full_rps:.1f}% of it served"
         )
-    if os.environ.get("BENCH_TIERS_TRACE"):
-        for record in records[:60][::-1]:
-            print(record.get("lane"), record["size"], record["sampled"], record["queue_wait_ms"])
     return "batches: " + "; ".join(parts)
 
 
