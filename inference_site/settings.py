@@ -97,6 +97,11 @@ DATABASES = {
         env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"), conn_max_age=60
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The web processes' housekeeping writes every few seconds. A transaction that reads
+    # before it writes (the admin's delete) could not get SQLite's write lock and failed at
+    # once with "database is locked"; taking the lock at BEGIN waits for it instead.
+    DATABASES["default"].setdefault("OPTIONS", {})["transaction_mode"] = "IMMEDIATE"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 LANGUAGE_CODE = "en-us"

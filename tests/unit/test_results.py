@@ -89,7 +89,9 @@ def test_timeout_fires_at_the_deadline(app: Celery) -> None:
         with pytest.raises(CeleryTimeoutError):
             app.AsyncResult(uuid.uuid4().hex).get(timeout=timeout)
         errors.append(time.monotonic() - started - timeout)
-    assert all(0 <= error < 0.02 for error in errors), errors
+    # Never early; late by no more than the service's own allowance past a deadline (50 ms):
+    # a 20 ms bound failed once on these 2 cores while other tests' processes were busy.
+    assert all(0 <= error < 0.05 for error in errors), errors
 
 
 def test_failure_state_propagates_as_an_exception(app: Celery) -> None:
