@@ -3,11 +3,19 @@ of lane, the hand-over of a task's batch when its seal chose another, and admiss
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 
 from batching import admission
-from batching.aggregator import SHARE_WEIGHT, AdmissionInputs, BatchAggregator, Item
+from batching.aggregator import (
+    HOLD_LATE_FACTOR,
+    SHARE_WEIGHT,
+    AdmissionInputs,
+    BatchAggregator,
+    Item,
+)
 from batching.protocol import PRIORITY_STEPS, UNKNOWN_LANE, task_priority
 from tests.support import unique_queue
 
@@ -71,6 +79,26 @@ def test_a_young_partial_batch_of_a_higher_lane_waits_for_a_full_lower_one(
     more_low = fill(aggregator, LOW, 3, tag="more")[0]
     aggregator.configure(max_batch_size=3, deadline_ms=0)  # hold 0 ms: ready at once
     assert aggregator.seal(more_low, lane=LOW).batch_id == high
+
+
+def test_a_held_partial_batch_waits_longer_while_a_lower_full_one_can_take_the_turn(
+    aggregator: BatchAggregator,
+) -> None:
+    """Past its hold, a higher lane's partial batch waits on (up to HOLD_LATE_FACTOR holds)
+    while a lower lane's full batch can use the turn whole; with none, it goes at its hold."""
+    aggregator.configure(max_batch_size=3, deadline_ms=4000)
+    hold_s = aggregator.hold_ms / 1000
+    high = fill(aggregator, HIGH, 1)[0]
+    low = fill(aggregator, LOW, 3)[0]  # full
+    time.sleep(hold_s * (1 + HOLD_LATE_FACTOR) / 2)  # past the hold, short of the late one
+    assert aggregator.seal(low, lane=LOW).batch_id == low
+    partial_low = fill(aggregator, LOW, 1, tag="partial")[0]  # no full batch below now
+    assert aggregator.seal(partial_low, lane=LOW).batch_id == high
+    # Past the late hold, a higher partial batch goes before a lower full one.
+    later_high = fill(aggregator, HIGH, 1, tag="later")[0]
+    full_low = fill(aggregator, LOW, 3, tag="full")[0]
+    time.sleep(hold_s * HOLD_LATE_FACTOR + 0.1)
+    assert aggregator.seal(full_low, lane=LOW).batch_id == later_high
 
 
 def test_with_nothing_ready_the_largest_open_batch_goes(aggregator: BatchAggregator) -> None:
