@@ -1,0 +1,212 @@
+"""One simulated GPU under open-loop load up to twice its limit: is every answer on time?
+
+    .venv/bin/python -m bench.overload                      # this tree, loads 50 to 200%
+    .venv/bin/python -m bench.overload --against 24e1407    # the same for an older commit too
+
+One simulated GPU (100 ms a call, batches of 100: a limit of 1,000 req/s) behind gunicorn with
+2 gevent processes, and `bench/loadgen.py` offering Poisson arrivals on the same 2 cores (as in
+`bench/compare.py`). At each load the client counts every answer from its intended send time:
+goodput, the p99 and p99.9 of every answer whatever its status, the shares of 200, 503, 504
+and of anything else (another status, a connection error, no answer in 2 s), and each 200's
+body is checked against the simulated completion of its prompt. With `--against`, the older
+commit runs in a worktree of its own, the two trees taking turns each round; medians are
+reported. Ends with the overload goals of the issue checked on this tree's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from batching.outcomes import RequestOutcome
+from bench import loadgen
+from bench.gap import worktree
+from bench.procstat import cpu_seconds
+from inference_site.lib.embedded_redis import EmbeddedRedis
+from inference_site.lib.stack import ROOT, Stack
+from workers.samplers.simulated import expected_completion
+
+CALL_MS = 100
+MAX_BATCH = 100
+DEADLINE_MS = 500
+LIMIT_RPS = MAX_BATCH * 1000 / CALL_MS
+LOADS = [50, 90, 100, 150, 200]
+CLIENT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Tree:
+    name: str
+    root: Path
+
+
+def measure(stack: Stack, load: int, duration_s: float, tag: str) -> dict[str, float]:
+    assert stack.web is not None
+    rate = LIMIT_RPS * load / 100
+    cpu_before = cpu_seconds(stack.web.pid)
+    results = loadgen.run(
+        "127.0.0.1",
+        stack.port,
+        "/sample",
+        rate,
+        duration_s,
+        lambda i: f"overload {tag} {load} {i}: the prompt",
+        expected_completion,
+        client_timeout_s=CLIENT_TIMEOUT_S,
+        seed=load,
+    )
+    web_cpu_s = cpu_seconds(stack.web.pid) - cpu_before
+    return {
+        "load": load,
+        "offered": rate,
+        "goodput": results.goodput_rps,
+        "of limit": results.goodput_rps / LIMIT_RPS,
+        "p50": results.percentile_ms(50),
+        "p99": results.percentile_ms(99),
+        "p99.9": results.percentile_ms(99.9),
+        "max": max(results.latencies_ms, default=float("nan")),
+        "200": results.share(RequestOutcome.OK),
+        "503": results.share(RequestOutcome.REJECTED),
+        "503 p99": results.percentile_ms(99, RequestOutcome.REJECTED),
+        "504": results.share(RequestOutcome.TIMEOUT),
+        "other": results.share(loadgen.OTHER),
+        "wrong": results.count(loadgen.WRONG),
+        "web cpu": web_cpu_s / max(1, results.sent) * 1000,
+        "send lag p99": loadgen.percentile(results.send_lag_ms, 99),
+    }
+
+
+def run_tree(tree: Tree, redis_url: str, loads: list[int], duration_s: float) -> list[dict]:
+    queue = f"bench-overload-{uuid.uuid4().hex[:6]}"
+    env = {
+        "REDIS_URL": redis_url,
+        "SAMPLER": "simulated",
+        "SIMULATED_BATCH_MS": str(CALL_MS),
+        "SAMPLING_MAX_BATCH_SIZE": str(MAX_BATCH),
+        "SAMPLING_DEADLINE_MS": str(DEADLINE_MS),
+        "SAMPLING_QUEUE": queue,
+        "LOG_LEVEL": "warning",
+        "DJANGO_SECRET_KEY": "bench-only-" + uuid.uuid4().hex,
+    }
+    stack = Stack(env=env, gpus=[0], web_processes=2, root=tree.root,
+                  log_dir=Path("/tmp") / f"bench-{queue}", own_database=True)  # fmt: skip
+    rows = []
+    try:
+        stack.start(timeout_s=120)
+        for load in loads:
+            row = measure(stack, load, duration_s, uuid.uuid4().hex[:6])
+            rows.append(row)
+            print(f"  {tree.name:>8} {line(row)}", flush=True)
+            time.sleep(1.0)  # the last answers and 504s of this level leave before the next
+    finally:
+        stack.stop()
+    return rows
+
+
+def line(row: dict[str, float]) -> str:
+    return (
+        f"{row['offered']:6.0f} req/s: goodput {row['goodput']:6.1f} ({row['of limit']:6.1%})"
+        f"  p99/p99.9/max {row['p99']:5.0f}/{row['p99.9']:5.0f}/{row['max']:5.0f} ms"
+        f"  200 {row['200']:5.1%} 503 {row['503']:5.1%} 504 {row['504']:5.1%}"
+        f" other {row['other']:5.1%} wrong {row['wrong']:.0f}  web CPU {row['web cpu']:.2f} ms"
+        f"  send lag p99 {row['send lag p99']:.0f} ms"
+    )
+
+
+COLUMNS = [
+    ("offered", "offered req/s", "{:.0f}"),
+    ("goodput", "goodput req/s", "{:.0f}"),
+    ("of limit", "of the limit", "{:.1%}"),
+    ("p50", "p50 ms", "{:.0f}"),
+    ("p99", "p99 ms", "{:.0f}"),
+    ("p99.9", "p99.9 ms", "{:.0f}"),
+    ("max", "max ms", "{:.0f}"),
+    ("503", "503", "{:.1%}"),
+    ("503 p99", "503 p99 ms", "{:.0f}"),
+    ("504", "504", "{:.1%}"),
+    ("other", "other", "{:.1%}"),
+    ("wrong", "wrong", "{:.0f}"),
+    ("web cpu", "web CPU ms/req", "{:.2f}"),
+    ("send lag p99", "client lag p99 ms", "{:.0f}"),
+]
+
+
+def median_row(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def table(figures: dict[str, dict[int, list[dict[str, float]]]]) -> str:
+    lines = [
+        "| code | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
+        "|---|" + "--:|" * len(COLUMNS),
+    ]
+    for name, by_load in figures.items():
+        for runs in by_load.values():
+            row = median_row(runs)
+            cells = [fmt.format(row[key]) for key, _, fmt in COLUMNS]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdict(by_load: dict[int, list[dict[str, float]]]) -> list[str]:
+    """The issue's overload goals, on medians."""
+    rows = {load: median_row(runs) for load, runs in by_load.items()}
+    best_below = max((row["goodput"] for load, row in rows.items() if load < 150), default=0.0)
+    said = []
+    goals = ((150, 0.90, 0.95, 50), (200, 0.85, None, 100))
+    for load, of_limit, of_best, late_ms in goals:
+        row = rows.get(load)
+        if row is None:
+            continue
+        checks = [
+            (f"goodput >= {of_limit:.0%} of the limit", row["of limit"] >= of_limit),
+            (f"p99.9 <= deadline + {late_ms} ms", row["p99.9"] <= DEADLINE_MS + late_ms),
+            ("0 wrong", row["wrong"] == 0),
+        ]
+        if of_best is not None and best_below:
+            share = row["goodput"] / best_below
+            checks.append((f"goodput >= {of_best:.0%} of the best below ({share:.1%})",
+                           share >= of_best))  # fmt: skip
+        shown = "; ".join(f"{text}: {'yes' if ok else 'NO'}" for text, ok in checks)
+        said.append(f"{load}%: {shown}")
+    return said
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", help="a git ref measured the same way, taking turns")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per load")
+    parser.add_argument("--loads", type=int, nargs="+", default=LOADS, help="percent of limit")
+    args = parser.parse_args()
+    print(
+        f"1 simulated GPU: {CALL_MS} ms a call, batches of {MAX_BATCH} (limit {LIMIT_RPS:.0f} "
+        f"req/s), deadline {DEADLINE_MS} ms, 2 gevent web processes; {args.seconds:g} s a load"
+    )
+    figures: dict[str, dict[int, list[dict[str, float]]]] = {}
+    with contextlib.ExitStack() as resources:
+        trees = [Tree("this", ROOT)]
+        if args.against:
+            trees.insert(0, Tree(args.against[:8], resources.enter_context(worktree(args.against))))
+        server = EmbeddedRedis().start()
+        resources.callback(server.stop)
+        for round_number in range(args.rounds):
+            print(f"round {round_number + 1}")
+            for tree in trees if round_number % 2 == 0 else trees[::-1]:
+                for row in run_tree(tree, server.url, args.loads, args.seconds):
+                    figures.setdefault(tree.name, {}).setdefault(int(row["load"]), []).append(row)
+    print(f"\nMedians of {args.rounds} round(s):\n")
+    print(table(figures))
+    print()
+    for name, by_load in figures.items():
+        for said in verdict(by_load):
+            print(f"{name} {said}")
+
+
+if __name__ == "__main__":
+    main()
