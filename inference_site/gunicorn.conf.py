@@ -19,6 +19,12 @@ worker_class = "gevent"
 workers = env_int("WEB_CONCURRENCY", multiprocessing.cpu_count(), minimum=1)
 worker_connections = env_int("WEB_WORKER_CONNECTIONS", 2000, minimum=1)
 backlog = 4096
+# What a request's head may be (gunicorn's defaults, set here so that they are on record):
+# longer request lines get 414, more or longer header fields 431 (README, "Reliability").
+# Our URLs are short and clients send a few headers; a prompt travels in the body.
+limit_request_line = env_int("WEB_LIMIT_REQUEST_LINE", 4094, minimum=256, maximum=8190)
+limit_request_fields = env_int("WEB_LIMIT_REQUEST_FIELDS", 100, minimum=10, maximum=32768)
+limit_request_field_size = env_int("WEB_LIMIT_REQUEST_FIELD_SIZE", 8190, minimum=1024)
 # A request never runs longer than its deadline; this only catches a wedged process.
 timeout = 30
 graceful_timeout = 10
