@@ -144,7 +144,8 @@ class _Node:
             finally:
                 conn.disconnect()
             time.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            # At most half a second between tries: full service soon after a node returns.
+            backoff = min(backoff * 2, 0.5)
 
     def _listen(self, conn: redis.Connection) -> None:
         silent_periods = 0
@@ -344,10 +345,12 @@ def queue_result(
     task_id: str,
     result: Any,
     state: str = states.SUCCESS,
+    expires_s: float | None = None,
 ) -> None:
-    """Queue on `pipe` what storing a task's result takes: the SET of its key (with the
-    results' expiry), in Celery's own meta and encoding, so that `AsyncResult(task_id).get()`
-    reads it as any stored result, and its PUBLISH on the shard's results channel.
+    """Queue on `pipe` what storing a task's result takes: the SET of its key (with
+    `expires_s`, by default the results' expiry), in Celery's own meta and encoding, so that
+    `AsyncResult(task_id).get()` reads it as any stored result, and its PUBLISH on the
+    shard's results channel.
 
     Sent in a pipeline of the caller's (a worker sends a batch's answers with its record), and
     without the GET by which `store_result` first checks for a stored success: a sealed batch
@@ -361,7 +364,7 @@ def queue_result(
         result=encoded, state=state, traceback=None, request=None
     )
     meta["task_id"] = task_id
-    _queue_store(pipe, backend, task_id, backend.encode(meta))
+    _queue_store(pipe, backend, task_id, backend.encode(meta), expires_s)
 
 
 def _queue_store(
@@ -374,7 +377,7 @@ def _queue_store(
     key = backend.get_key_for_task(task_id)
     expires = expires if expires is not None else backend.expires  # type: ignore[attr-defined]
     if expires:
-        pipe.set(key, value, ex=int(expires))
+        pipe.set(key, value, px=max(1, int(expires * 1000)))
     else:
         pipe.set(key, value)
     channel, message = results_channel(task_id), publish_message(task_id, value)

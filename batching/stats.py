@@ -45,6 +45,9 @@ TTL_S = {SECOND: 15 * 60, TEN_SECONDS: 2 * 3600 + 600}
 
 # Workers seen in this long stay on the stats page (as stopped or silent) and in /metrics.
 KNOWN_WORKERS_S = 10 * 60
+# The states a worker that left says it left in (workers.lifecycle): stopped (a shutdown), hung
+# (a call cut off by its timeout), unhealthy (its sampler failed calls in a row).
+DEPARTED_STATES = ("stopped", "hung", "unhealthy")
 
 
 # A key's usage fields: "k:<key id>:" then "req:<outcome>", PROMPT_TOKENS or COMPLETION_TOKENS.

@@ -169,6 +169,11 @@ if 0 < SAMPLING_CALL_TIMEOUT_MS < 100:
         f"SAMPLING_CALL_TIMEOUT_MS must be 0 (automatic) or at least 100, "
         f"got {SAMPLING_CALL_TIMEOUT_MS}"
     )
+# Sampler calls failing in a row after which a worker leaves as not a healthy GPU (exit 69,
+# workers.lifecycle). 0: the default, 3 (workers.runner.FAILED_CALLS_UNHEALTHY).
+SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS = env_int(
+    "SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS", 0, minimum=0, maximum=1_000_000
+)
 # SAMPLER=hf: empty for the packaged SmolLM2-135M GGUF, else a local save_pretrained
 # directory, a local .gguf file or a Hub id already in the local cache.
 SAMPLING_MODEL = env_str("SAMPLING_MODEL", "")
@@ -215,6 +220,11 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ACKS_LATE = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Reconnects within a second of the broker's return, not kombu's 2-30 s (workers.consumer).
+CELERY_WORKER_CONSUMER = "workers.consumer:PromptReconnectConsumer"
+# A worker waits out a broker outage of any length: retrying about once a second, Celery's
+# default of 100 tries would stop the worker after under two minutes.
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_TASK_DEFAULT_QUEUE = SAMPLING_QUEUE
 # A batch task carries its tier's priority (batching.protocol.task_priority): one list per

@@ -174,9 +174,11 @@ def _workers(
         heartbeat_at = info.get("heartbeat_at")
         age = now - heartbeat_at if heartbeat_at else None
         state = info.get("state", "silent")
-        # A worker that left says why (stopped; hung: it exited for its supervisor to
-        # restart it); any other that stopped beating is silent.
-        if state not in ("stopped", "hung") and (age is None or age * 1000 > HEARTBEAT_TIMEOUT_MS):
+        # A worker that left says why (stats.DEPARTED_STATES); any other that stopped
+        # beating is silent.
+        if state not in stats.DEPARTED_STATES and (
+            age is None or age * 1000 > HEARTBEAT_TIMEOUT_MS
+        ):
             state = "silent"
         rows.append(
             WorkerRow(
@@ -192,7 +194,7 @@ def _workers(
                 policy_version=info.get("policy_version"),
             )
         )
-    return sorted(rows, key=lambda row: (row.state in ("stopped", "hung", "silent"), row.name))
+    return sorted(rows, key=lambda row: (row.state in (*stats.DEPARTED_STATES, "silent"), row.name))
 
 
 # The shortest span a chart shows: a service that started a minute ago gets readable lines

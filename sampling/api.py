@@ -31,6 +31,7 @@ from batching.aggregator import HEARTBEAT_TIMEOUT_MS
 from batching.generation import SEED_RANGE, SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.policy import MAX_BATCH_SIZE, Policy
+from batching.stats import DEPARTED_STATES
 from sampling import schemas
 from sampling.openapi import openapi_document
 from sampling.runtime import WebProcess, web_process
@@ -414,7 +415,7 @@ def _live_models(process: WebProcess) -> dict[str, Any]:
         heartbeat_at = info.get("heartbeat_at")
         if not isinstance(heartbeat_at, int | float) or now - heartbeat_at > MODEL_WORKERS_S:
             continue
-        if info.get("state") in ("stopped", "hung"):
+        if info.get("state") in DEPARTED_STATES:
             continue
         live += 1
         samplers.add(str(info.get("sampler", "")))

@@ -44,6 +44,10 @@ WORKER_INFO_TTL_MS = stats.KNOWN_WORKERS_S * 1000
 # The exit status of a worker whose sampler call hung (sysexits' EX_SOFTWARE): its supervisor
 # (systemd, compose, `make run`) starts a fresh one.
 EXIT_HUNG_CALL = 70
+# The exit status of a worker whose sampler failed FAILED_CALLS_UNHEALTHY calls in a row
+# (sysexits' EX_UNAVAILABLE): not a healthy GPU. Its supervisor starts a fresh one, whose
+# warm-up call shows whether the GPU is back.
+EXIT_UNHEALTHY_GPU = 69
 
 _pipeline: BatchPipeline | None = None
 _stop = threading.Event()
@@ -61,13 +65,17 @@ def current_pipeline(queue: str) -> BatchPipeline:
     return _pipeline
 
 
-def queue_answers(pipe: redis.client.Pipeline, batch_id: str, answers: list[Result]) -> None:
+def queue_answers(
+    pipe: redis.client.Pipeline, batch_id: str, answers: list[Result], expires_s: float
+) -> None:
     """A batch's answers, stored and published as Celery stores its task's result (the task
-    id is the batch id), so that the web side's AsyncResult(batch_id).get() reads them."""
+    id is the batch id), so that the web side's AsyncResult(batch_id).get() reads them. Kept
+    as long as the batch's own data (`expires_s`): no member waits longer, and a queue's
+    results then stay a few seconds' worth, not CELERY_RESULT_EXPIRES' minutes."""
     backend = current_app.backend
     if not isinstance(backend, RedisBackend):  # CELERY_RESULT_BACKEND: a Redis backend
         raise TypeError(f"the result backend must be Redis, not {type(backend).__name__}")
-    queue_result(pipe, backend, batch_id, answers)
+    queue_result(pipe, backend, batch_id, answers, expires_s=expires_s)
 
 
 def store_failure(batch_id: str, exc: Exception) -> None:
@@ -75,14 +83,15 @@ def store_failure(batch_id: str, exc: Exception) -> None:
     current_app.backend.mark_as_failure(batch_id, exc)
 
 
-def _resender(queue: str) -> Callable[[str], None]:
+def _resender(aggregator: BatchAggregator) -> Callable[[str], None]:
     def resend(batch_id: str) -> None:
         current_app.send_task(
             RUN_BATCH_TASK,
-            args=(batch_id, queue, UNKNOWN_LANE),
+            args=(batch_id, aggregator.queue, UNKNOWN_LANE),
             task_id=batch_id,
-            queue=queue,
+            queue=aggregator.queue,
             priority=task_priority(UNKNOWN_LANE),
+            expires=aggregator.ttl_ms / 1000,  # as the web's dispatch (sampling.submission)
         )
 
     return resend
@@ -118,14 +127,20 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
         watcher = _watcher(aggregator)
         sampler = load_sampler()
         runner = BatchRunner(aggregator, sampler, worker, policy=lambda: watcher.current)
+        runner.unhealthy_after = settings.SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS or (
+            runner.unhealthy_after
+        )
         runner.warm_up()
-        resend = _resender(aggregator.queue)
+        resend = _resender(aggregator)
         _pipeline = BatchPipeline(
             runner,
-            queue_answers=queue_answers,
+            queue_answers=lambda pipe, batch_id, answers: queue_answers(
+                pipe, batch_id, answers, aggregator.ttl_ms / 1000
+            ),
             store_failure=store_failure,
             resend=resend,
             on_hung=_leave_hung,
+            on_unhealthy=_leave_unhealthy,
             call_timeout_ms=settings.SAMPLING_CALL_TIMEOUT_MS or None,
         ).start()
     except Exception as exc:  # whatever failed, the worker is useless without its sampler
@@ -238,17 +253,28 @@ def stop_worker(sender: object = None, **kwargs: object) -> None:
 def _leave_hung(batch_id: str, ran_ms: float) -> None:
     """The pipeline cut off a hung call and answered its batch: stop counting as a worker at
     once (admission, /readyz) and exit; the call cannot be interrupted in place."""
+    _leave("hung", EXIT_HUNG_CALL)
+
+
+def _leave_unhealthy(reason: str) -> None:
+    """The sampler failed its last calls (the pipeline answered their batches): leave
+    admission at once, say why, and exit."""
+    log.critical("worker leaves: not a healthy GPU: %s", reason)
+    _leave("unhealthy", EXIT_UNHEALTHY_GPU)
+
+
+def _leave(state: str, status: int) -> None:
     _hung.set()
     _stop.set()
     if _pipeline is not None:
-        say_goodbye(_pipeline.runner, state="hung")
+        say_goodbye(_pipeline.runner, state=state)
         _pipeline.drain_reports(timeout_s=1.0)  # the last batches' records, if any are left
-    log.critical("worker exits with status %d for its supervisor to restart it", EXIT_HUNG_CALL)
+    log.critical("worker exits with status %d for its supervisor to restart it", status)
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(EXIT_HUNG_CALL)
+    os._exit(status)
 
 
 def say_goodbye(runner: BatchRunner, state: str = "stopped") -> None:

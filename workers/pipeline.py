@@ -88,18 +88,24 @@ class BatchPipeline:
         store_failure: Callable[[str, Exception], None],
         resend: Callable[[str], None],
         on_hung: Callable[[str, float], None],
+        on_unhealthy: Callable[[str], None] | None = None,
         call_timeout_ms: float | None = None,
         prefetch_lead_ms: float = PREFETCH_LEAD_MS,
     ) -> None:
         """`on_hung(batch_id, ran_ms)` is called, once the batch has its answers, when a call
-        is cut off, and must not return (the process exits). `call_timeout_ms` None: the
-        automatic timeout from the call estimate."""
+        is cut off, and must not return (the process exits). `on_unhealthy(reason)` likewise,
+        once a batch's answers are out, when the sampler has failed FAILED_CALLS_UNHEALTHY
+        calls in a row (by default only logged). `call_timeout_ms` None: the automatic
+        timeout from the call estimate."""
         self.runner = runner
         self._cluster = is_cluster(runner.aggregator.client)
         self._queue_answers = queue_answers
         self._store_failure = store_failure
         self._resend = resend
         self._on_hung = on_hung
+        self._on_unhealthy = on_unhealthy or (
+            lambda reason: log.critical("the sampler is failing every call: %s", reason)
+        )
         self._call_timeout_ms = call_timeout_ms
         self._lead_s = prefetch_lead_ms / 1000
         self._changed = threading.Condition()
@@ -225,7 +231,27 @@ class BatchPipeline:
             self._turn, self._call_started = turn, time.monotonic()
             self._changed.notify_all()
         self.runner.sample(turn)  # a sampler's failure is its items' answers, not raised
+        if self.runner.unhealthy:
+            self._leave_unhealthy(turn)
         return turn
+
+    def _leave_unhealthy(self, turn: Turn) -> None:
+        """The sampler failed its last calls: answer this batch now, send a batch received
+        meanwhile to another worker, and leave (`on_unhealthy`)."""
+        self._publish(turn.batch_id, turn.answers)
+        self._reports.put(_Report(turn.batch_id, turn))
+        with self._changed:
+            waiting, self._waiting = self._waiting, None
+            self._closed = True
+        if waiting is not None:
+            try:
+                self._resend(waiting[0])
+            except Exception:  # its hold hands it over at the next request anyway
+                log.exception("batch %s could not be sent again", waiting[0])
+        self._on_unhealthy(
+            f"{self.runner.failed_calls} sampler calls failed in a row, the last: "
+            f"{self.runner.last_failure}"
+        )
 
     def _publish(self, batch_id: str, answers: list[Result]) -> None:
         try:

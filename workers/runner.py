@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 
 # Weight of the newest call in the running estimate of a sampling call's duration.
 ESTIMATE_WEIGHT = 0.3
+# Sampler calls failing in a row that make a worker unhealthy: one failure is a batch's
+# problem (a prompt, a bug), three in a row the GPU's (its memory, its driver), and the worker
+# leaves admission (workers.lifecycle) rather than fail every batch it is given.
+FAILED_CALLS_UNHEALTHY = 3
 
 # One item's answer: [ItemOutcome, text], the completion for OK, a one-line reason otherwise;
 # an API request's completion also carries [finish reason, prompt tokens, completion tokens].
@@ -120,6 +124,13 @@ class BatchRunner:
         self.sealed_at: dict[str, float] = {}
         self.busy_s = 0.0
         self.busy_since: float | None = None  # monotonic time the running call started
+        self.failed_calls = 0  # sampler calls failed in a row
+        self.unhealthy_after = FAILED_CALLS_UNHEALTHY  # SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS
+        self.last_failure = ""  # the last one's reason
+
+    @property
+    def unhealthy(self) -> bool:
+        return self.failed_calls >= self.unhealthy_after
 
     def warm_up(self) -> None:
         self.apply_policy()
@@ -243,9 +254,12 @@ class BatchRunner:
                         prompt + completion.prompt_tokens,
                         sampled + completion.completion_tokens,
                     )
+            self.failed_calls = 0
         except Exception as exc:  # any sampler failure fails this call's items, not the worker
             log.exception("sampler %s failed on batch %s", self.sampler.name, batch_id)
             reason = f"sampler failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+            self.failed_calls += 1
+            self.last_failure = reason
             for index in called:
                 results[index] = [ItemOutcome.ERROR, reason]
         finally:

@@ -35,8 +35,13 @@ def service(start_stack: Callable[..., Stack]) -> Stack:
 
 @pytest.fixture(scope="module")
 def probe(start_stack: Callable[..., Stack]) -> Stack:
-    """A worker with the probe sampler (records prompts, fails on 'raise:')."""
-    return start_stack("probe", env={"SAMPLER": "tests.support.probe_sampler:ProbeSampler"})
+    """A worker with the probe sampler (records prompts, fails on 'raise:'). Its tests fail
+    calls on purpose, some in a row: the worker stays (test_worker_faults has the rule)."""
+    env = {
+        "SAMPLER": "tests.support.probe_sampler:ProbeSampler",
+        "SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS": "1000",
+    }
+    return start_stack("probe", env=env)
 
 
 def batch_records(stack: Stack) -> list[dict[str, Any]]:

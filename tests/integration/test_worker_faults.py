@@ -25,7 +25,8 @@ from inference_site.lib.stack import ROOT, Stack
 from tests.support import unique_queue
 from tests.support.http import Reply, request, sample
 from tests.support.probe_sampler import stuck_call_key
-from workers.lifecycle import EXIT_HUNG_CALL
+from workers.lifecycle import EXIT_HUNG_CALL, EXIT_UNHEALTHY_GPU
+from workers.runner import FAILED_CALLS_UNHEALTHY
 from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
@@ -138,6 +139,32 @@ def test_a_hung_call_is_answered_502_at_the_timeout_and_its_worker_leaves(
         prompt = f"after the hang {i}"
         assert sample(stack.base_url, prompt).body == expected_completion(prompt)
     assert request(stack.base_url, "/readyz", method="GET").status == 200
+
+
+def test_a_worker_whose_calls_fail_in_a_row_leaves_admission_and_says_why(
+    start_stack: Callable[..., Stack],
+) -> None:
+    stack = start_stack("unhealthy", env={"SAMPLER": PROBE, "SAMPLING_DEADLINE_MS": "3000"})
+    client = redis.Redis.from_url(stack.env["REDIS_URL"])
+    queue = stack.env["SAMPLING_QUEUE"]
+    aggregator = BatchAggregator(client, queue)
+    (worker,) = stack.workers
+    # A failure, then a success: not in a row, the worker stays.
+    assert sample(stack.base_url, "raise: once").status == 502
+    assert sample(stack.base_url, "fine").body == expected_completion("fine")
+    for attempt in range(FAILED_CALLS_UNHEALTHY):
+        reply = sample(stack.base_url, f"raise: the GPU is gone {attempt}")
+        # Each failing batch is answered at once, the last one too: no wait for a deadline.
+        assert reply.status == 502, reply.body
+    assert worker.wait(timeout=5) == EXIT_UNHEALTHY_GPU
+    assert aggregator.live_workers() == 0
+    (info,) = [info for _, info in aggregator.worker_infos(0)]
+    assert info["state"] == "unhealthy"
+    assert stack.log_dir is not None
+    log = (stack.log_dir / "worker-cpu.log").read_text()
+    assert f"{FAILED_CALLS_UNHEALTHY} sampler calls failed in a row" in log
+    assert "probe sampler asked to fail" in log  # the sampler's own reason, in the line
+    assert request(stack.base_url, "/readyz", method="GET").status == 503
 
 
 def test_a_worker_killed_mid_call_loses_only_the_batch_it_was_running(
