@@ -48,8 +48,8 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -548,6 +548,23 @@ return redis.call('ZCOUNT', KEYS[1], now - tonumber(ARGV[2]), '+inf')
 )
 
 
+class BatchIds:
+    """Unique batch ids without uuid4's os.urandom call per request (~4% of a /sample's CPU):
+    96 random bits per process, then a counter. Drawn again in a forked child, which would
+    otherwise repeat its parent's ids."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._prefix = ""
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        if os.getpid() != self._pid:
+            self._pid, self._prefix = os.getpid(), secrets.token_hex(12)
+            self._count = itertools.count()
+        return f"{self._prefix}{next(self._count):x}"
+
+
 @dataclass(frozen=True)
 class Ticket:
     """A request's place in a batch, or its refusal by admission control."""
@@ -669,6 +686,7 @@ class BatchAggregator:
         # Each process starts its turn at its own shard, so that a node's processes do not
         # move over the shards in step.
         self._turn = itertools.count(os.getpid())
+        self._ids = BatchIds()
         # Per shard and lane: (admission's figure, when read); per shard: (Redis ms -
         # monotonic ms, when read).
         self._admission_seen: dict[tuple[int, int], tuple[float, float]] = {}
@@ -756,7 +774,7 @@ class BatchAggregator:
         counted = 0
         for _ in range(APPEND_ATTEMPTS):
             now_ms = self._redis_now_ms(keys, now_s)
-            candidate = keys.batch_id(uuid.uuid4().hex)
+            candidate = keys.batch_id(self._ids.next())
             read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
             pointer = f"{candidate} {now_ms} {self.max_batch_size}"
             item = item_of(now_ms + int(budget_ms), prompt, key_id, cache)

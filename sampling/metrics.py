@@ -53,6 +53,11 @@ TIER_LATENCY = Histogram(
     ["tier"],
     buckets=LATENCY_BUCKETS_S,
 )
+SHED_REQUESTS = Counter(
+    "sampling_shed_requests",
+    "Requests refused by their web process before any work (503): late, or too many in flight",
+    ["reason"],
+)
 _tier_children: dict[tuple[str, RequestOutcome], tuple[Any, Any]] = {}
 
 
@@ -131,3 +136,7 @@ def exposition(client: redis.Redis, queue: str) -> bytes:
     except redis.RedisError as exc:
         text += f"# workers' metrics unavailable: Redis error {type(exc).__name__}\n".encode()
     return text
+
+
+def record_shed(reason: str) -> None:
+    SHED_REQUESTS.labels(reason=reason).inc()

@@ -25,6 +25,7 @@ from batching.aggregator import BatchAggregator
 from batching.policy import Policy, PolicyWatcher, policy_from_settings
 from batching.ratelimit import RateLimiter
 from batching.stats import RequestStats
+from sampling.shedding import Shedder
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class WebProcess:
     stats: RequestStats
     access: AccessWatcher
     limiter: RateLimiter
+    shedder: Shedder
 
     def start(self) -> None:
         self.watcher.start()
@@ -145,6 +147,7 @@ def web_process() -> WebProcess:
             RequestStats(aggregator.queue),
             AccessWatcher(client),
             RateLimiter(client),
+            Shedder(settings.WEB_MAX_IN_FLIGHT),
         )
         found.start()
     return found

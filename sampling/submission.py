@@ -37,6 +37,7 @@ from batching.results import queue_result
 from inference_site.celery import app as celery_app
 from sampling import metrics
 from sampling.runtime import WebProcess, web_process
+from sampling.shedding import ShedReason
 
 log = logging.getLogger(__name__)
 
@@ -122,28 +123,46 @@ def answer_failure(words: Words, failure: Failure) -> HttpResponse:
 
 
 def counted(handle: Handler, words: Words) -> Callable[[HttpRequest], HttpResponse]:
-    """A view around `handle(request, process, arrival, caller)`: the caller authenticated
-    and checked against its rate limits first (a refusal worded by `words`), every answer to
+    """A view around `handle(request, process, arrival, caller)`: the request shed first if
+    this process cannot start it in time (sampling.shedding), its deadline counted from its
+    arrival (`X-Request-Start`, else when its bytes reached the kernel, else now); then the
+    caller authenticated and checked against its rate limits first (a refusal worded by
+    `words`), every answer to
     a limited caller with its x-ratelimit-* headers, and every request counted in memory
     (statistics flushed to Redis once a second) and in this process's Prometheus file, with
     no round trip on the request path. CSRF does not apply to the API (no cookies)."""
 
     @csrf_exempt
     def view(request: HttpRequest) -> HttpResponse:
-        arrival = time.monotonic()
         process = web_process()
-        caller = authenticate(request, process)
-        if isinstance(caller, Failure):
+        shedder = process.shedder
+        arrival = shedder.arrival(request.META)  # the deadline counts from here
+        deadline_ms = process.watcher.current.deadline_ms
+        shed = shedder.refusal(arrival, deadline_ms)
+        caller: Caller | Failure
+        if shed is not None:
+            caller = _shed(shed, arrival, deadline_ms, shedder.max_in_flight)
+            metrics.record_shed(shed)
             outcome, response = caller.outcome, answer_failure(words, caller)
         else:
-            limited = process.limiter.check(caller)
-            if limited is not None:
-                refusal = Failure(Problem.RATE_LIMITED, limited.message, limited.retry_after_s)
-                outcome, response = refusal.outcome, answer_failure(words, refusal)
-            else:
-                outcome, response = handle(request, process, arrival, caller)
-            for header, value in process.limiter.headers(caller).items():
-                response[header] = value
+            shedder.in_flight += 1
+            try:
+                caller = authenticate(request, process)
+                if isinstance(caller, Failure):
+                    outcome, response = caller.outcome, answer_failure(words, caller)
+                else:
+                    limited = process.limiter.check(caller)
+                    if limited is not None:
+                        refusal = Failure(
+                            Problem.RATE_LIMITED, limited.message, limited.retry_after_s
+                        )
+                        outcome, response = refusal.outcome, answer_failure(words, refusal)
+                    else:
+                        outcome, response = handle(request, process, arrival, caller)
+                    for header, value in process.limiter.headers(caller).items():
+                        response[header] = value
+            finally:
+                shedder.in_flight -= 1
         latency_s = time.monotonic() - arrival
         key_id = 0 if isinstance(caller, Failure) else caller.key_id
         tier = "" if isinstance(caller, Failure) else caller.tier
@@ -153,6 +172,18 @@ def counted(handle: Handler, words: Words) -> Callable[[HttpRequest], HttpRespon
 
     view.__name__ = view.__qualname__ = handle.__name__.lstrip("_")
     return view
+
+
+def _shed(reason: ShedReason, arrival: float, deadline_ms: int, max_in_flight: int) -> Failure:
+    if reason == ShedReason.IN_FLIGHT:
+        message = f"overloaded: this web process holds {max_in_flight} requests already"
+    else:
+        waited_ms = (time.monotonic() - arrival) * 1000
+        message = (
+            f"overloaded: the request waited {waited_ms:.0f} ms of its {deadline_ms} ms "
+            "deadline before this server could start it"
+        )
+    return Failure(Problem.OVERLOADED, message, 1)
 
 
 def _unavailable() -> Failure:
@@ -282,6 +313,9 @@ def _dispatch(process: WebProcess, batch_id: str, lane: int) -> bool:
             queue=aggregator.queue,
             priority=task_priority(lane),
             retry_policy=PUBLISH_RETRY,
+            # A message older than its batch's data is stale work: a worker drops it unrun
+            # (after a broker outage, say) instead of sealing what has expired.
+            expires=aggregator.ttl_ms / 1000,
         )
     except Exception as exc:  # noqa: BLE001 - kombu raises OperationalError, OSError and more
         log.error("cannot dispatch batch %s: %s", batch_id, exc)
@@ -296,14 +330,15 @@ def _dispatch(process: WebProcess, batch_id: str, lane: int) -> bool:
 
 
 def _abandon(process: WebProcess, batch_id: str, lane: int) -> None:
+    aggregator = process.aggregator
     try:
-        members = process.aggregator.abandon(batch_id, lane)
+        members = aggregator.abandon(batch_id, lane)
         answers = [[ItemOutcome.NOT_DISPATCHED, QUEUE_UNAVAILABLE] for _ in range(members)]
         # Stored and published as the task would have: every member's wait wakes now.
         backend = celery_app.backend
         assert isinstance(backend, RedisBackend)  # CELERY_RESULT_BACKEND is ours
         with process.client.pipeline(transaction=False) as pipe:
-            queue_result(pipe, backend, batch_id, answers)
+            queue_result(pipe, backend, batch_id, answers, expires_s=aggregator.ttl_ms / 1000)
             pipe.execute()
     except Exception as exc:  # noqa: BLE001 - Redis down too: the members time out instead
         log.error("batch %s abandoned, its members not answered: %s", batch_id, exc)

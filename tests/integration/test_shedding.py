@@ -1,0 +1,72 @@
+"""Front-end shedding on a real stack: a request that waited its deadline before it reached
+its view, and one over a process's in-flight bound, get a fast 503 before any Redis call."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from inference_site.lib.stack import Stack
+from tests.support.http import request, sample
+from workers.samplers.simulated import expected_completion
+
+pytestmark = pytest.mark.integration
+
+DEADLINE_MS = 2000
+
+
+def shed_count(stack: Stack, reason: str) -> float:
+    body = request(stack.base_url, "/metrics", method="GET").body
+    prefix = f'sampling_shed_requests_total{{reason="{reason}"}} '
+    return sum(float(line[len(prefix) :]) for line in body.splitlines() if line.startswith(prefix))
+
+
+def test_a_request_that_waited_its_deadline_upstream_gets_a_fast_503(
+    start_stack: Callable[..., Stack],
+) -> None:
+    stack = start_stack(
+        "shed-late", env={"SAMPLER": "simulated", "SAMPLING_DEADLINE_MS": str(DEADLINE_MS)}
+    )
+    waited_s = DEADLINE_MS / 1000 - 0.01
+    for endpoint, body in [
+        ("/sample", "late"),
+        ("/v1/completions", '{"prompt": "late"}'),
+        ("/api/inference", '{"prompt": "late"}'),
+    ]:
+        stamp = f"t={(time.time() - waited_s) * 1_000_000:.0f}"  # us, as a balancer writes it
+        started = time.monotonic()
+        reply = request(stack.base_url, endpoint, body, headers={"X-Request-Start": stamp})
+        assert reply.status == 503, (endpoint, reply.body)
+        assert time.monotonic() - started < 0.2
+        assert int(reply.headers["retry-after"]) >= 1
+    assert shed_count(stack, "late") == 3
+    # The same header a moment old: served, its deadline counted from it.
+    fresh = f"t={time.time():.3f}"
+    reply = sample(stack.base_url, "on time", headers={"X-Request-Start": fresh})
+    assert (reply.status, reply.body) == (200, expected_completion("on time"))
+
+
+def test_one_request_over_the_in_flight_bound_gets_a_fast_503(
+    start_stack: Callable[..., Stack],
+) -> None:
+    bound = 3
+    # No worker serves this queue: every admitted request waits its whole deadline.
+    stack = start_stack(
+        "shed-in-flight",
+        env={"WEB_MAX_IN_FLIGHT": str(bound), "SAMPLING_DEADLINE_MS": str(DEADLINE_MS)},
+        gpus=[],
+    )
+    with ThreadPoolExecutor(bound) as pool:
+        waiting = [pool.submit(sample, stack.base_url, f"wait {i}") for i in range(bound)]
+        time.sleep(0.5)  # all three in their views
+        started = time.monotonic()
+        refused = sample(stack.base_url, "one too many")
+        assert refused.status == 503, refused.body
+        assert time.monotonic() - started < 0.2
+        assert [future.result().status for future in waiting] == [504] * bound
+    assert shed_count(stack, "in_flight") == 1
+    # The bound frees as requests end.
+    assert sample(stack.base_url, "after", timeout=5).status == 504

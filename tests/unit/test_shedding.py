@@ -1,0 +1,101 @@
+"""The X-Request-Start parsing, the kernel's arrival time and the refusals of sampling.shedding."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import gevent.socket
+import pytest
+
+from sampling.shedding import (
+    MAX_HEADER_SKEW_S,
+    MIN_WORK_MS,
+    Shedder,
+    ShedReason,
+    header_start,
+    socket_wait_s,
+)
+
+NOW = 1_795_000_000.25
+
+
+@pytest.mark.parametrize(
+    "value",
+    [f"t={NOW}", f"{NOW}", f"t={NOW * 1000:.0f}", f"t={NOW * 1_000_000:.0f}", f"  t={NOW}  "],
+)
+def test_x_request_start_in_seconds_ms_or_us(value: str) -> None:
+    assert header_start(value, NOW + 0.5) == pytest.approx(NOW, abs=0.001)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, "", "t=", "t=abc", "t=nan", "t=inf", f"t={NOW - MAX_HEADER_SKEW_S - 5}", "t=12345"],
+)
+def test_a_missing_malformed_or_implausible_x_request_start_is_ignored(value: str | None) -> None:
+    assert header_start(value, NOW) is None
+
+
+def test_arrival_counts_the_wait_the_header_shows() -> None:
+    shedder = Shedder(max_in_flight=10)
+    before = time.monotonic()
+    arrival = shedder.arrival({"HTTP_X_REQUEST_START": f"t={time.time() - 0.3:.6f}"})
+    assert before - 0.31 < arrival < before - 0.29
+    assert shedder.arrival({}) >= before  # without it: now
+
+
+def test_a_request_that_waited_its_deadline_or_one_too_many_is_refused() -> None:
+    shedder = Shedder(max_in_flight=2)
+    deadline_ms = 500
+    now = time.monotonic()
+    assert shedder.refusal(now, deadline_ms) is None
+    almost = now - (deadline_ms - MIN_WORK_MS - 20) / 1000
+    assert shedder.refusal(almost, deadline_ms) is None
+    late = now - (deadline_ms - MIN_WORK_MS + 20) / 1000
+    assert shedder.refusal(late, deadline_ms) == ShedReason.LATE
+    shedder.in_flight = 2
+    assert shedder.refusal(now, deadline_ms) == ShedReason.IN_FLIGHT
+
+
+@pytest.fixture(params=["stdlib", "gevent"])
+def tcp_pair(request: pytest.FixtureRequest) -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A loopback TCP connection: (client, the server's end), the server's as gunicorn's
+    gevent workers hold it or as a plain socket."""
+    module = gevent.socket if request.param == "gevent" else socket
+    with module.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with socket.create_connection(listener.getsockname()) as client:
+            served, _ = listener.accept()
+            with served:
+                yield client, served
+
+
+def test_without_a_header_arrival_is_when_the_kernel_got_the_bytes(
+    tcp_pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, served = tcp_pair
+    client.sendall(b"POST /sample HTTP/1.1\r\nContent-Length: 1\r\n\r\nx")
+    time.sleep(0.25)  # the request waits unread, as in a saturated process's backlog
+    shedder = Shedder(max_in_flight=10)
+    before = time.monotonic()
+    arrival = shedder.arrival({"gunicorn.socket": served})
+    assert before - 0.3 < arrival < before - 0.2
+    waited = socket_wait_s(served)
+    assert waited is not None
+    assert 0.2 < waited < 0.3
+    # The header, when present, wins: it names the arrival at the node, before any hop.
+    stamped = shedder.arrival(
+        {"gunicorn.socket": served, "HTTP_X_REQUEST_START": f"t={time.time() - 0.1:.6f}"}
+    )
+    assert before - 0.11 < stamped < before - 0.09
+
+
+def test_without_a_tcp_socket_arrival_is_now() -> None:
+    left, right = socket.socketpair()  # a Unix socket: no TCP_INFO
+    with left, right:
+        assert socket_wait_s(right) is None
+        before = time.monotonic()
+        assert Shedder(max_in_flight=1).arrival({"gunicorn.socket": right}) >= before
+    assert socket_wait_s(None) is None
