@@ -196,6 +196,7 @@ async def _run(
     protocol: Protocol,
     constant: bool,
     headers: Callable[[int], dict[str, str]] | None,
+    stamp: bool,
 ) -> Results:
     if constant:
         offsets = [index / rate_rps for index in range(round(rate_rps * duration_s))]
@@ -215,6 +216,8 @@ async def _run(
         text = prompt(index)
         body = protocol.body(text)
         extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or _none)(index).items())
+        if stamp:  # when it reached "the node": as nginx's `t=${msec}`, at the intended time
+            extra += f"X-Request-Start: t={time.time() - (loop.time() - intended):.6f}\r\n"
         if post:
             request = (
                 f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n"
@@ -270,15 +273,17 @@ def run(
     protocol: Protocol | None = None,
     constant: bool = False,
     headers: Callable[[int], dict[str, str]] | None = None,
+    stamp: bool = False,
 ) -> Results:
     """Offer `rate_rps` Poisson requests (evenly spaced when `constant`) for `duration_s` and
     wait for every answer (or the client's timeout). GET without a body when `post` is false
     (a bare view). Several ports: the requests go to each in turn. `protocol`: how a prompt
     is sent and a completion read back (by default /sample's raw text); `headers(i)`: request
-    i's own headers (an API key, say)."""
+    i's own headers (an API key, say). `stamp`: each request carries `X-Request-Start` with
+    its intended send time, as a proxy in front of the node would set it at arrival."""
     ports = [port] if isinstance(port, int) else list(port)
     work = _run(
         host, ports, path, rate_rps, duration_s, prompt, expected, client_timeout_s, seed, post,
-        protocol or RAW_TEXT, constant, headers,
+        protocol or RAW_TEXT, constant, headers, stamp,
     )  # fmt: skip
     return asyncio.run(work)

@@ -8,9 +8,12 @@ One simulated GPU (100 ms a call, batches of 100: a limit of 1,000 req/s) behind
 `bench/compare.py`). At each load the client counts every answer from its intended send time:
 goodput, the p99 and p99.9 of every answer whatever its status, the shares of 200, 503, 504
 and of anything else (another status, a connection error, no answer in 2 s), and each 200's
-body is checked against the simulated completion of its prompt. With `--against`, the older
-commit runs in a worktree of its own, the two trees taking turns each round; medians are
-reported. Ends with the overload goals of the issue checked on this tree's figures.
+body is checked against the simulated completion of its prompt; the web processes' and the
+client's CPU per request, and the most connections seen waiting in the kernel's accept queue
+(sampled every 100 ms). Requests carry `X-Request-Start` as behind nginx (`--stamp`). With
+`--against`, the older commit runs in a worktree of its own, the two trees taking turns each
+round; medians are reported. Ends with the overload goals of the issue checked on this tree's
+figures.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,7 +30,7 @@ from pathlib import Path
 from batching.outcomes import RequestOutcome
 from bench import loadgen
 from bench.gap import worktree
-from bench.procstat import cpu_seconds
+from bench.procstat import accept_queue, cpu_seconds
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import ROOT, Stack
 from workers.samplers.simulated import expected_completion
@@ -43,12 +47,23 @@ CLIENT_TIMEOUT_S = 2.0
 class Tree:
     name: str
     root: Path
+    stamp: bool = False  # requests carry X-Request-Start, as behind a proxy
 
 
-def measure(stack: Stack, load: int, duration_s: float, tag: str) -> dict[str, float]:
+def measure(
+    stack: Stack, load: int, duration_s: float, tag: str, stamp: bool = False
+) -> dict[str, float]:
     assert stack.web is not None
     rate = LIMIT_RPS * load / 100
     cpu_before = cpu_seconds(stack.web.pid)
+    done, queued = threading.Event(), [0]
+
+    def watch_accept_queue() -> None:
+        while not done.wait(0.1):
+            queued[0] = max(queued[0], accept_queue(stack.port))
+
+    watcher = threading.Thread(target=watch_accept_queue, daemon=True)
+    watcher.start()
     results = loadgen.run(
         "127.0.0.1",
         stack.port,
@@ -59,8 +74,11 @@ def measure(stack: Stack, load: int, duration_s: float, tag: str) -> dict[str, f
         expected_completion,
         client_timeout_s=CLIENT_TIMEOUT_S,
         seed=load,
+        stamp=stamp,
     )
     web_cpu_s = cpu_seconds(stack.web.pid) - cpu_before
+    done.set()
+    watcher.join()
     return {
         "load": load,
         "offered": rate,
@@ -78,6 +96,8 @@ def measure(stack: Stack, load: int, duration_s: float, tag: str) -> dict[str, f
         "wrong": results.count(loadgen.WRONG),
         "web cpu": web_cpu_s / max(1, results.sent) * 1000,
         "send lag p99": loadgen.percentile(results.send_lag_ms, 99),
+        "client cpu": results.client_cpu_s / max(1, results.sent) * 1000,
+        "accept queue": queued[0],
     }
 
 
@@ -99,7 +119,7 @@ def run_tree(tree: Tree, redis_url: str, loads: list[int], duration_s: float) ->
     try:
         stack.start(timeout_s=120)
         for load in loads:
-            row = measure(stack, load, duration_s, uuid.uuid4().hex[:6])
+            row = measure(stack, load, duration_s, uuid.uuid4().hex[:6], tree.stamp)
             rows.append(row)
             print(f"  {tree.name:>8} {line(row)}", flush=True)
             time.sleep(1.0)  # the last answers and 504s of this level leave before the next
@@ -114,7 +134,8 @@ def line(row: dict[str, float]) -> str:
         f"  p99/p99.9/max {row['p99']:5.0f}/{row['p99.9']:5.0f}/{row['max']:5.0f} ms"
         f"  200 {row['200']:5.1%} 503 {row['503']:5.1%} 504 {row['504']:5.1%}"
         f" other {row['other']:5.1%} wrong {row['wrong']:.0f}  web CPU {row['web cpu']:.2f} ms"
-        f"  send lag p99 {row['send lag p99']:.0f} ms"
+        f"  send lag p99 {row['send lag p99']:.0f} ms  client CPU {row['client cpu']:.2f} ms"
+        f"  accept queue max {row['accept queue']:.0f}"
     )
 
 
@@ -133,6 +154,8 @@ COLUMNS = [
     ("wrong", "wrong", "{:.0f}"),
     ("web cpu", "web CPU ms/req", "{:.2f}"),
     ("send lag p99", "client lag p99 ms", "{:.0f}"),
+    ("client cpu", "client CPU ms/req", "{:.2f}"),
+    ("accept queue", "accept queue max", "{:.0f}"),
 ]
 
 
@@ -183,6 +206,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=10.0, help="per load")
     parser.add_argument("--loads", type=int, nargs="+", default=LOADS, help="percent of limit")
+    parser.add_argument(
+        "--stamp",
+        choices=["on", "off", "both"],
+        default="on",
+        help="requests carry X-Request-Start (their intended send time), as nginx sets it in "
+        "front of a node (deploy/); both: this tree is measured with and without",
+    )
     args = parser.parse_args()
     print(
         f"1 simulated GPU: {CALL_MS} ms a call, batches of {MAX_BATCH} (limit {LIMIT_RPS:.0f} "
@@ -190,9 +220,11 @@ def main() -> None:
     )
     figures: dict[str, dict[int, list[dict[str, float]]]] = {}
     with contextlib.ExitStack() as resources:
-        trees = [Tree("this", ROOT)]
+        stamps = {"on": [True], "off": [False], "both": [False, True]}[args.stamp]
+        trees = [Tree("this" + ("+stamp" if stamp else ""), ROOT, stamp) for stamp in stamps]
         if args.against:
-            trees.insert(0, Tree(args.against[:8], resources.enter_context(worktree(args.against))))
+            older = resources.enter_context(worktree(args.against))
+            trees.insert(0, Tree(args.against[:8], older, stamps[-1]))
         server = EmbeddedRedis().start()
         resources.callback(server.stop)
         for round_number in range(args.rounds):

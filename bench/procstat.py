@@ -23,3 +23,18 @@ def cpu_seconds(pid: int) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
     return total
+
+
+def accept_queue(port: int) -> int:
+    """Connections waiting in the kernel's accept queue of the socket listening on `port`
+    (its rx_queue in /proc/net/tcp): accepted by TCP, not yet by the server, where no
+    code of the server runs and no deadline is counted. 0 when none listens."""
+    waiting = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state, queues = fields[1], fields[3], fields[4]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # LISTEN
+                    waiting += int(queues.split(":")[1], 16)
+    return waiting
