@@ -45,6 +45,10 @@ _TCP_INFO = getattr(socket, "TCP_INFO", None)
 _LAST_DATA_RECV = struct.Struct("=I")
 _LAST_DATA_RECV_OFFSET = 52
 _TCP_INFO_BYTES = 104
+# The kernel counts that time in ticks (1 to 10 ms: HZ 1000 to 100), so a reading may be up
+# to a tick over the truth; less the coarsest tick, a request's wait is never overstated: it
+# is not refused or timed out early, at the price of counting up to 10 ms of a wait short.
+KERNEL_TICK_MS = 10
 
 
 class ShedReason(StrEnum):
@@ -80,7 +84,8 @@ def header_start(value: str | None, now_wall: float) -> float | None:
 def socket_wait_s(connection: Any) -> float | None:
     """How long ago (s) the kernel last received data on `connection` (a request's socket, as
     gunicorn puts it in `gunicorn.socket`): for a request read and handed to its view, how long
-    it waited since its last bytes arrived. None off Linux, on a Unix socket, or without one."""
+    it waited since its last bytes arrived, never more (KERNEL_TICK_MS). None off Linux, on a
+    Unix socket, or without one."""
     if _TCP_INFO is None or connection is None:
         return None
     try:
@@ -89,7 +94,8 @@ def socket_wait_s(connection: Any) -> float | None:
         return None
     if len(info) < _LAST_DATA_RECV_OFFSET + _LAST_DATA_RECV.size:
         return None
-    return float(_LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_OFFSET)[0]) / 1000
+    waited_ms = _LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_OFFSET)[0]
+    return max(0, waited_ms - KERNEL_TICK_MS) / 1000
 
 
 class Shedder:

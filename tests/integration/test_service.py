@@ -116,24 +116,32 @@ def test_health_and_readiness(service: Stack) -> None:
 def test_deadline_shorter_than_a_call_gives_504_and_never_reaches_the_sampler(
     probe: Stack, start_stack: Callable[..., Stack]
 ) -> None:
-    # A second web node on the probe's queue with a 60 ms deadline, against 100 ms calls.
+    # A second web node on the probe's queue with an 80 ms deadline, against 100 ms calls.
+    deadline_s = 0.080
     hasty = start_stack(
-        "hasty", env={"SAMPLING_QUEUE": probe.env["SAMPLING_QUEUE"], "SAMPLING_DEADLINE_MS": "60"},
+        "hasty",
+        env={
+            "SAMPLING_QUEUE": probe.env["SAMPLING_QUEUE"],
+            "SAMPLING_DEADLINE_MS": str(int(deadline_s * 1000)),
+        },
         gpus=[],
-    )  # fmt: skip
+    )
     prompts = [f"too late {i} {uuid.uuid4().hex[:6]}" for i in range(20)]
     with ThreadPoolExecutor(max_workers=20) as pool:
         # A first burst warms the new node's processes (their first requests load what a
-        # request needs, tens of ms on a slow machine): only the second is timed.
+        # request needs, tens of ms on a slow machine, during which the others wait in the
+        # kernel: such a wait counts, and may get a request shed with a 503): only the second
+        # is timed.
         warm_up = [f"warm-up {i} {uuid.uuid4().hex[:6]}" for i in range(20)]
-        assert {r.status for r in pool.map(lambda p: sample(hasty.base_url, p), warm_up)} == {504}
+        statuses = {r.status for r in pool.map(lambda p: sample(hasty.base_url, p), warm_up)}
+        assert statuses <= {503, 504}, statuses
         replies = list(pool.map(lambda p: sample(hasty.base_url, p), prompts))
     assert [r.status for r in replies] == [504] * len(replies), [r.body for r in replies]
     # Seen by the client: 20 connections opened at once on 2 shared cores reach the view one
-    # after another, so the last ones start their 60 ms some ms after the client's timer.
+    # after another, so the last ones start their deadline some ms after the client's timer.
     seconds = sorted(r.seconds for r in replies)
-    assert seconds[len(seconds) // 2] < 0.060 + 0.040, seconds
-    assert seconds[-1] < 0.060 + 0.080, seconds
+    assert seconds[len(seconds) // 2] < deadline_s + 0.040, seconds
+    assert seconds[-1] < deadline_s + 0.080, seconds
     # The worker has dropped them: wait until it has sealed every batch, then look.
     client = redis.Redis.from_url(probe.env["REDIS_URL"])
     time.sleep(0.5)
