@@ -101,9 +101,10 @@ def measure(
     }
 
 
-def run_tree(tree: Tree, redis_url: str, loads: list[int], duration_s: float) -> list[dict]:
-    queue = f"bench-overload-{uuid.uuid4().hex[:6]}"
-    env = {
+def simulated_env(redis_url: str, queue: str) -> dict[str, str]:
+    """The settings of a stack with one simulated GPU of CALL_MS calls and MAX_BATCH batches,
+    DEADLINE_MS deadlines (this benchmark's and bench.soak's)."""
+    return {
         "REDIS_URL": redis_url,
         "SAMPLER": "simulated",
         "SIMULATED_BATCH_MS": str(CALL_MS),
@@ -113,6 +114,11 @@ def run_tree(tree: Tree, redis_url: str, loads: list[int], duration_s: float) ->
         "LOG_LEVEL": "warning",
         "DJANGO_SECRET_KEY": "bench-only-" + uuid.uuid4().hex,
     }
+
+
+def run_tree(tree: Tree, redis_url: str, loads: list[int], duration_s: float) -> list[dict]:
+    queue = f"bench-overload-{uuid.uuid4().hex[:6]}"
+    env = simulated_env(redis_url, queue)
     stack = Stack(env=env, gpus=[0], web_processes=2, root=tree.root,
                   log_dir=Path("/tmp") / f"bench-{queue}", own_database=True)  # fmt: skip
     rows = []

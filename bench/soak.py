@@ -50,13 +50,11 @@ import redis
 
 from batching.outcomes import RequestOutcome
 from bench import loadgen
+from bench.overload import CALL_MS, DEADLINE_MS, MAX_BATCH, simulated_env
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import ROOT, Stack
 from workers.samplers.simulated import expected_completion
 
-CALL_MS = 100
-MAX_BATCH = 100
-DEADLINE_MS = 500
 LIMIT_RPS = MAX_BATCH * 1000 / CALL_MS
 # What this kind of machine carries (the docstring): the slowest 2-core one we ran on, shared
 # with the load generator, served 700 req/s of /sample and collapsed at 850, under the
@@ -164,16 +162,7 @@ def run(
     segment_s = min(30.0, seconds / 6)
     server = EmbeddedRedis().start()
     queue = f"soak-{uuid.uuid4().hex[:6]}"
-    env = {
-        "REDIS_URL": server.url,
-        "SAMPLER": "simulated",
-        "SIMULATED_BATCH_MS": str(CALL_MS),
-        "SAMPLING_MAX_BATCH_SIZE": str(MAX_BATCH),
-        "SAMPLING_DEADLINE_MS": str(DEADLINE_MS),
-        "SAMPLING_QUEUE": queue,
-        "LOG_LEVEL": "warning",
-        "DJANGO_SECRET_KEY": "soak-only-" + uuid.uuid4().hex,
-    }
+    env = simulated_env(server.url, queue)
     stack = Stack(env=env, gpus=[0], web_processes=2, root=ROOT,
                   log_dir=log_dir or Path("/tmp") / f"soak-{queue}", own_database=True)  # fmt: skip
     outcomes: Counter[str] = Counter()
