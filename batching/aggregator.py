@@ -710,6 +710,12 @@ class BatchAggregator:
         self.ttl_ms = batch_ttl_ms(deadline_ms)
         self.hold_ms = round(deadline_ms * HOLD_DEADLINE_FRACTION)
 
+    @property
+    def ttl_s(self) -> float:
+        """How long a batch's data lives, in seconds: its task message and its answers live
+        as long (Celery's `expires`, the result's expiry)."""
+        return self.ttl_ms / 1000
+
     def load_scripts(self) -> None:
         """Load the Lua scripts into Redis now rather than on a request's first NOSCRIPT (on
         every master of a cluster)."""

@@ -12,10 +12,10 @@ So a WSGI app in front of Django's hands those paths to their views directly (fo
 Django's own URL resolver at start, so urls.py stays the one list of routes) and everything
 else to Django as before. What the skipped middlewares do that these answers still need is
 done here: the host checked against ALLOWED_HOSTS (400 as Django says it), Content-Length
-(CommonMiddleware's), the security
-headers SecurityMiddleware and XFrameOptionsMiddleware add, an exception answered as
-Django's handler answers it (logged on django.request, 500), and django-prometheus' HTTP
-metrics counted as its middlewares count them (inference_site.prometheus.record_direct).
+(CommonMiddleware's), the security headers SecurityMiddleware and XFrameOptionsMiddleware
+add, an exception answered as Django's handler answers it (logged on django.request, 500),
+and django-prometheus' HTTP metrics counted as its middlewares count them
+(inference_site.prometheus.record_direct).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ process that cannot start a request's work in time refuses it at once, before an
   on Linux over TCP, when the request's last bytes reached this node's kernel (TCP_INFO's
   `tcpi_last_data_recv`: it counts the wait in the listen backlog and in the gevent hub
   before the view, which no code in the process sees); otherwise when the view starts. From
-  it the deadline counts: `submit` gets what is left, and
-  admission refuses a request whose predicted wait exceeds that, mostly without a Redis call.
+  it the deadline counts: `submit` gets what is left, and admission refuses a request whose
+  predicted wait exceeds that, mostly without a Redis call.
 - A request that has already waited its deadline less MIN_WORK_MS is refused.
 - A process holds at most WEB_MAX_IN_FLIGHT generating requests (README, "Reliability": the
   sizing rule); one more is refused.
@@ -108,10 +108,12 @@ class Shedder:
     def arrival(self, meta: Mapping[str, Any]) -> float:
         """The request's arrival, on this process's monotonic clock."""
         now = time.monotonic()
-        now_wall = time.time()
-        started = header_start(meta.get("HTTP_X_REQUEST_START"), now_wall)
-        if started is not None:
-            return now - max(0.0, now_wall - started)
+        stamp = meta.get("HTTP_X_REQUEST_START")
+        if stamp:
+            now_wall = time.time()
+            started = header_start(stamp, now_wall)
+            if started is not None:
+                return now - max(0.0, now_wall - started)
         waited = socket_wait_s(meta.get("gunicorn.socket"))
         return now if waited is None else now - waited
 

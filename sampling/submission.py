@@ -127,10 +127,10 @@ def counted(handle: Handler, words: Words) -> Callable[[HttpRequest], HttpRespon
     this process cannot start it in time (sampling.shedding), its deadline counted from its
     arrival (`X-Request-Start`, else when its bytes reached the kernel, else now); then the
     caller authenticated and checked against its rate limits first (a refusal worded by
-    `words`), every answer to
-    a limited caller with its x-ratelimit-* headers, and every request counted in memory
-    (statistics flushed to Redis once a second) and in this process's Prometheus file, with
-    no round trip on the request path. CSRF does not apply to the API (no cookies)."""
+    `words`), every answer to a limited caller with its x-ratelimit-* headers, and every
+    request counted in memory (statistics flushed to Redis once a second) and in this
+    process's Prometheus file, with no round trip on the request path. CSRF does not apply
+    to the API (no cookies)."""
 
     @csrf_exempt
     def view(request: HttpRequest) -> HttpResponse:
@@ -315,7 +315,7 @@ def _dispatch(process: WebProcess, batch_id: str, lane: int) -> bool:
             retry_policy=PUBLISH_RETRY,
             # A message older than its batch's data is stale work: a worker drops it unrun
             # (after a broker outage, say) instead of sealing what has expired.
-            expires=aggregator.ttl_ms / 1000,
+            expires=aggregator.ttl_s,
         )
     except Exception as exc:  # noqa: BLE001 - kombu raises OperationalError, OSError and more
         log.error("cannot dispatch batch %s: %s", batch_id, exc)
@@ -338,7 +338,7 @@ def _abandon(process: WebProcess, batch_id: str, lane: int) -> None:
         backend = celery_app.backend
         assert isinstance(backend, RedisBackend)  # CELERY_RESULT_BACKEND is ours
         with process.client.pipeline(transaction=False) as pipe:
-            queue_result(pipe, backend, batch_id, answers, expires_s=aggregator.ttl_ms / 1000)
+            queue_result(pipe, backend, batch_id, answers, expires_s=aggregator.ttl_s)
             pipe.execute()
     except Exception as exc:  # noqa: BLE001 - Redis down too: the members time out instead
         log.error("batch %s abandoned, its members not answered: %s", batch_id, exc)

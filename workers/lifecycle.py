@@ -91,7 +91,7 @@ def _resender(aggregator: BatchAggregator) -> Callable[[str], None]:
             task_id=batch_id,
             queue=aggregator.queue,
             priority=task_priority(UNKNOWN_LANE),
-            expires=aggregator.ttl_ms / 1000,  # as the web's dispatch (sampling.submission)
+            expires=aggregator.ttl_s,  # as the web's dispatch (sampling.submission)
         )
 
     return resend
@@ -135,7 +135,7 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
         _pipeline = BatchPipeline(
             runner,
             queue_answers=lambda pipe, batch_id, answers: queue_answers(
-                pipe, batch_id, answers, aggregator.ttl_ms / 1000
+                pipe, batch_id, answers, aggregator.ttl_s
             ),
             store_failure=store_failure,
             resend=resend,
