@@ -7,6 +7,7 @@ documented in README.md under "Configuration".
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -23,8 +24,10 @@ from inference_site.lib.env import (
     env_list,
     env_name,
     env_secret,
+    env_secret_file,
     env_str,
     env_text,
+    with_password,
 )
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -56,6 +59,8 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    # Admin login throttling: AccessAttempt rows, a 429 after AXES_FAILURE_LIMIT failures.
+    "axes",
 ]
 
 MIDDLEWARE = [
@@ -70,7 +75,15 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes asks: it answers a locked-out login with its 429.
+    "axes.middleware.AxesMiddleware",
     "inference_site.prometheus.HttpMetricsMiddleware",  # django-prometheus, fewer series
+]
+
+AUTHENTICATION_BACKENDS = [
+    # First: refuses a locked-out client before the password is even checked.
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
 ]
 
 ROOT_URLCONF = "inference_site.urls"
@@ -114,6 +127,42 @@ STATIC_URL = "static/"
 WHITENOISE_USE_FINDERS = True
 PROMETHEUS_EXPORT_MIGRATIONS = False
 
+# --- Behind a TLS-terminating proxy (README, "Deployment") -------------------------------
+# On in production: the proxy (deploy/nginx/nginx.conf, an Ingress) terminates TLS and says
+# so in X-Forwarded-Proto. Django then trusts that header, sends the admin's cookies only
+# over HTTPS, redirects plain-HTTP pages to HTTPS and sets HSTS. Probes and Prometheus reach
+# a web process directly over HTTP: their paths are never redirected, and neither are the
+# generating endpoints (inference_site.direct serves them before any middleware).
+DJANGO_HTTPS = env_bool("DJANGO_HTTPS", False)
+if DJANGO_HTTPS:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    SECURE_REDIRECT_EXEMPT = [r"^(healthz|readyz|metrics)$"]
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+SECURE_HSTS_SECONDS = env_int(
+    "DJANGO_HSTS_SECONDS", 365 * 24 * 3600 if DJANGO_HTTPS else 0, minimum=0
+)
+# Both commit every subdomain (and, preloaded, browsers' built-in lists) to HTTPS: an
+# operator's choice, off unless set (deploy/env.example sets them).
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_HSTS_PRELOAD", False)
+# The origins the admin's forms are posted from, e.g. https://sampling.example.com.
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+# Proxies in front of gunicorn that append to X-Forwarded-For (1 behind deploy/nginx); the
+# client's address, which admin login throttling counts, is that many places from the end.
+# 0: the connection's address (nothing in front, or a proxy that does not append).
+WEB_PROXY_COUNT = env_int("WEB_PROXY_COUNT", 0, minimum=0, maximum=10)
+
+# Admin login throttling (django-axes): after AXES_FAILURE_LIMIT failed logins of one
+# username from one address, that pair gets 429 for AXES_COOLOFF_MINUTES. Per pair, so a
+# guesser cannot lock an operator out from elsewhere.
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("AXES_COOLOFF_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_CLIENT_IP_CALLABLE = "operations.security.client_ip"
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -123,10 +172,13 @@ LOGGING = {
 }
 
 # --- Sampling service ---------------------------------------------------------------------
-REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+# A password file (a mounted Kubernetes or Docker secret) fills in the password of every Redis
+# URL below that has none of its own, so the URLs can sit in a ConfigMap.
+_REDIS_PASSWORD = env_secret_file("REDIS_PASSWORD_FILE")
+REDIS_URL = with_password(env_str("REDIS_URL", "redis://127.0.0.1:6379/0"), _REDIS_PASSWORD)
 # The Redis of the request path (the aggregator, results, statistics, policy): REDIS_URL unless
 # set apart; with SAMPLING_REDIS_CLUSTER on, a seed node of a Redis or Valkey cluster.
-SAMPLING_REDIS_URL = env_str("SAMPLING_REDIS_URL", REDIS_URL)
+SAMPLING_REDIS_URL = with_password(env_str("SAMPLING_REDIS_URL", REDIS_URL), _REDIS_PASSWORD)
 SAMPLING_REDIS_CLUSTER = env_bool("SAMPLING_REDIS_CLUSTER", False)
 # Open batches per queue, each on its own hash tag (a cluster spreads them over its masters);
 # web processes take them in turn. One is right until one Redis core cannot carry the
@@ -206,7 +258,7 @@ SAMPLING_USAGE_RETENTION_DAYS = env_int(
 # --- Celery (read by inference_site/celery.py with the CELERY_ namespace) ------------------
 # The broker carries one message per batch: REDIS_URL unless set apart. It is never a cluster
 # (kombu's Redis transport does not support one); a plain Redis beside the cluster does.
-CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL)
+CELERY_BROKER_URL = with_password(env_str("CELERY_BROKER_URL", REDIS_URL), _REDIS_PASSWORD)
 # The stock Redis result backend waits in 1 s steps and holds a pub/sub connection per
 # thread; this subclass routes every wait through one listener per process (see
 # batching/results.py and docs/result-waiting.md).

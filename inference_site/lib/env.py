@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
@@ -26,8 +27,10 @@ __all__ = [
     "env_list",
     "env_name",
     "env_secret",
+    "env_secret_file",
     "env_str",
     "env_text",
+    "with_password",
 ]
 
 
@@ -168,3 +171,40 @@ def env_secret(name: str, fallback_file: Path, environ: Mapping[str, str] | None
             f"`make run` writes one to {fallback_file} for development"
         )
     return value
+
+
+def env_secret_file(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """The first line of the file the variable names (a Kubernetes or Docker secret mounted
+    as a file), or "" when the variable is unset; a named file that cannot be read, or is
+    empty, stops the process."""
+    path = env_str(name, "", environ).strip()
+    if not path:
+        return ""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ImproperlyConfigured(f"{name}: cannot read {path}: {exc}") from exc
+    value = lines[0].strip() if lines else ""
+    if not value:
+        raise ImproperlyConfigured(f"{name}: {path} is empty")
+    return value
+
+
+def with_password(url: str, password: str) -> str:
+    """`url` with `password` in it, unless it has one of its own (or `password` is empty): a
+    Redis URL from a ConfigMap and its password from a secret file. The password is
+    percent-encoded, as redis-py and kombu decode it."""
+    if not password:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    if parts.password:
+        return url
+    quoted = urllib.parse.quote(password, safe="")
+    if not parts.netloc:  # unix:///path/redis.sock: the password goes in the query
+        query = urllib.parse.parse_qs(parts.query)
+        if "password" in query:
+            return url
+        return f"{url}{'&' if parts.query else '?'}password={quoted}"
+    user = urllib.parse.quote(parts.username or "", safe="")
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:{quoted}@{host}"))

@@ -9,10 +9,12 @@ import urllib.request
 
 
 class AdminSession:
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, headers: dict[str, str] | None = None) -> None:
         self.base_url = base_url
         self.cookies = http.cookiejar.CookieJar()
         self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.cookies))
+        # Sent with every request (X-Forwarded-For, as a proxy in front would add it).
+        self.opener.addheaders = list((headers or {}).items())
 
     def get(self, path: str) -> tuple[int, str]:
         try:
