@@ -1,0 +1,127 @@
+"""deploy/nginx/ in front of a real stack, run by this machine's nginx (Debian's, which CI
+installs): /sample through it with curl, the operators' paths kept to trusted networks, the
+body limit, X-Request-Start set by nginx, and 3,000 slow clients held against nginx and
+against gunicorn alone."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from django.conf import settings
+
+from batching.policy import BOUNDS
+from bench.proxy import CONFIG_DIR, Nginx, nginx_binary
+from bench.slowloris import CLIENT_TIMEOUT_S, Front, measure_fronts
+from inference_site.lib.stack import Stack
+from tests.support.http import request
+from workers.samplers.simulated import expected_completion
+
+pytestmark = pytest.mark.integration
+
+
+def _require_nginx() -> None:
+    if nginx_binary() is None:
+        if os.environ.get("REQUIRE_NGINX"):
+            pytest.fail("REQUIRE_NGINX is set but nginx is not installed")
+        pytest.skip("nginx not installed (apt-get install nginx): the proxy is not tested")
+
+
+@pytest.fixture(scope="module")
+def stack(start_stack: Callable[..., Stack]) -> Stack:
+    """One simulated GPU behind one gunicorn process: gunicorn's 2,000 connections."""
+    _require_nginx()
+    return start_stack("nginx", env={"SAMPLER": "simulated"}, web_processes=1)
+
+
+@pytest.fixture
+def nginx(stack: Stack) -> Iterator[Nginx]:
+    with Nginx(stack.port) as proxy:
+        yield proxy
+
+
+def curl(*args: str) -> tuple[int, str]:
+    """curl's status code and body."""
+    if shutil.which("curl") is None:
+        pytest.fail("curl is not installed")
+    done = subprocess.run(
+        ["curl", "-sS", "--max-time", "10", "-o", "-", "-w", "\n%{http_code}", *args],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    body, _, status = done.stdout.rpartition("\n")
+    return int(status), body
+
+
+def test_sample_through_nginx_with_curl(nginx: Nginx) -> None:
+    prompt = f"through nginx {time.time_ns()}"
+    status, body = curl(f"{nginx.base_url}/sample", "--data-binary", prompt)
+    assert (status, body) == (200, expected_completion(prompt))
+
+
+def test_nginx_sets_the_request_start(stack: Stack, nginx: Nginx) -> None:
+    """A request stamped as having arrived a second ago is shed as late when it reaches
+    gunicorn with that stamp; through nginx the stamp is nginx's own, so it is served."""
+    stale = {"X-Request-Start": f"t={time.time() - 1.0:.3f}"}
+    direct = request(stack.base_url, "/sample", "stale stamp", headers=stale)
+    assert direct.status == 503, direct
+    proxied = request(nginx.base_url, "/sample", "stale stamp", headers=stale)
+    assert (proxied.status, proxied.body) == (200, expected_completion("stale stamp"))
+
+
+def test_operator_paths_only_from_trusted_networks(stack: Stack) -> None:
+    # The shipped list trusts loopback: the operators' paths answer.
+    with Nginx(stack.port) as open_to_loopback:
+        assert request(open_to_loopback.base_url, "/metrics", method="GET").status == 200
+        assert request(open_to_loopback.base_url, "/admin/login/", method="GET").status == 200
+    # Trusting only a network this client is not on: 403 for them, the API still served.
+    with Nginx(stack.port, trusted=["192.0.2.0/24"]) as closed:
+        for path in ("/metrics", "/admin/", "/admin/login/", "/admin"):
+            assert request(closed.base_url, path, method="GET").status == 403, path
+        assert request(closed.base_url, "/healthz", method="GET").status == 200
+        assert request(closed.base_url, "/sample", "still served").status == 200
+
+
+def test_body_limit_is_what_the_service_reads(nginx: Nginx) -> None:
+    match = re.search(r"client_max_body_size\s+(\d+)k;", (CONFIG_DIR / "nginx.conf").read_text())
+    assert match, "client_max_body_size not set in KiB"
+    limit = int(match.group(1)) * 1024
+    assert limit == settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    assert limit > BOUNDS["max_prompt_bytes"][1]  # the largest prompt a policy allows fits
+    # Over it, nginx refuses before gunicorn sees a byte; at it, nginx passes it on and the
+    # service answers with its own reason (the queue's prompt limit). The service's answers
+    # carry its security headers (inference_site.direct), nginx's own do not.
+    too_large = request(nginx.base_url, "/sample", b"x" * (limit + 1))
+    assert too_large.status == 413
+    assert "x-frame-options" not in too_large.headers
+    at_limit = request(nginx.base_url, "/sample", b"x" * limit)
+    assert 400 <= at_limit.status < 500, at_limit
+    assert "x-frame-options" in at_limit.headers, at_limit
+
+
+def test_slow_clients_cost_nginx_not_gunicorn(stack: Stack, nginx: Nginx) -> None:
+    """3,000 slow connections: through nginx /sample's p99 moves by at most 20%; straight to
+    gunicorn they take its 2,000 connections and requests fail or wait past their deadline."""
+    rows = measure_fronts(
+        [Front("nginx", nginx.port), Front("gunicorn", stack.port)], slow=3000, seconds=10
+    )
+    for row in rows:
+        print(row)
+    by = {(row["front"], row["slow"]): row for row in rows}
+    assert all(row["wrong"] == 0 for row in rows)
+    quiet, slowed = by["nginx", 0], by["nginx", 3000]
+    assert slowed["held"] == 3000  # all of them open at once
+    assert quiet["ok"] == slowed["ok"] == 1.0
+    assert float(str(slowed["p99"])) <= 1.2 * float(str(quiet["p99"])), (quiet, slowed)
+    alone, exhausted = by["gunicorn", 0], by["gunicorn", 3000]
+    assert alone["ok"] == 1.0
+    # Past gunicorn's 2,000 connections the rest wait in the kernel's backlog: some requests
+    # get no answer before the client gives up, and the p99 is far past the deadline.
+    assert float(str(exhausted["ok"])) < 0.99, exhausted
+    assert float(str(exhausted["p99"])) > min(
+        1000 * CLIENT_TIMEOUT_S, 2 * settings.SAMPLING_DEADLINE_MS
+    )
