@@ -17,11 +17,10 @@ from batching import stats
 from batching.aggregator import HEARTBEAT_TIMEOUT_MS, BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
+from batching.recommendation import Recommendation, from_traffic, recent_summary
 from operations import charts
-from operations.recommendation import Recommendation, recommend
 
 HOUR_S = 3600
-RECENT_S = 60  # the window of the headline figures and the recommendation
 
 
 @dataclass(frozen=True)
@@ -132,24 +131,10 @@ def build(
     hour = stats.read_buckets(
         client, queue, stats.TEN_SECONDS, current_second - HOUR_S, current_second + 1
     )
-    minute = stats.read_buckets(
-        client, queue, stats.SECOND, current_second - RECENT_S, current_second
-    )
-    recent = stats.Summary(stats.merge(c for _, c in minute), RECENT_S)
+    recent = recent_summary(client, queue, now)
     aggregator = BatchAggregator(client, queue, max_batch_size=policy.max_batch_size)
-    live = aggregator.live_workers()
-    sampler_ms = recent.mean_sampler_ms()
-    if sampler_ms is None:  # no call in the last minute: the workers' running estimate
-        sampler_ms = aggregator.published_turn_ms()
-    advice = recommend(
-        rate_rps=recent.demand_rate(),
-        sampler_ms=sampler_ms or 1.0,
-        max_batch_size=policy.max_batch_size,
-        fill_target_percent=policy.fill_target_percent,
-        live_gpus=live,
-        deadline_ms=policy.deadline_ms,
-        mean_batch=recent.mean_batch(),
-    )
+    advice = from_traffic(recent, aggregator, policy)
+    live = advice.live_gpus
     dashboard = Dashboard(queue, policy, now, recent, live, advice)
     dashboard.workers = _workers(aggregator, recent, now)
     dashboard.charts = _charts(hour, policy, now)

@@ -3,6 +3,9 @@
 - Web processes count requests in prometheus_client's multiprocess mode: gunicorn sets
   PROMETHEUS_MULTIPROC_DIR before its workers start (inference_site/gunicorn.conf.py), each
   process writes its own file, and /metrics sums them, so any process's answer covers all.
+- The GPU-count recommendation of the queue (batching.recommendation), computed at each scrape
+  from the last minute in Redis: `sampling_gpus_recommended` and `sampling_gpus_live`, the
+  signal an autoscaler scales the workers on (deploy/k8s/). Every web node answers the same.
 - Workers run on other machines: each one publishes its own metrics (workers/metrics.py) to
   Redis with its heartbeat, once a second, and /metrics adds them, labelled by worker. So
   one scrape of any web node shows the whole queue; workers serve no port of their own.
@@ -16,12 +19,14 @@ from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
+from batching.policy import Policy
+from batching.recommendation import observed
 from batching.stats import KNOWN_WORKERS_S
 
 LATENCY_BUCKETS_S = (
@@ -119,8 +124,33 @@ class WorkerMetricsCollector:
         return list(families.values())
 
 
-def exposition(client: redis.Redis, queue: str) -> bytes:
-    """This node's web processes (all of them, from the multiprocess files) and every worker."""
+class CapacityCollector:
+    """The queue's GPU recommendation and live GPUs, read from Redis at each scrape."""
+
+    def __init__(self, client: redis.Redis, queue: str, policy: Policy) -> None:
+        self.client = client
+        self.queue = queue
+        self.policy = policy
+
+    def collect(self) -> list[Metric]:
+        advice = observed(self.client, self.queue, self.policy)
+        recommended = GaugeMetricFamily(
+            "sampling_gpus_recommended",
+            "GPUs (workers) the last minute's demand needs at the policy's batch fill target",
+            labels=["queue"],
+        )
+        recommended.add_metric([self.queue], advice.needed_gpus)
+        live = GaugeMetricFamily(
+            "sampling_gpus_live", "Workers of the queue that heartbeated in the last 5 s",
+            labels=["queue"],
+        )  # fmt: skip
+        live.add_metric([self.queue], advice.live_gpus)
+        return [recommended, live]
+
+
+def exposition(client: redis.Redis, queue: str, policy: Policy) -> bytes:
+    """This node's web processes (all of them, from the multiprocess files), every worker,
+    and the queue's GPU recommendation under `policy` (the one this node applies)."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         web = CollectorRegistry()
         MultiProcessCollector(web)
@@ -129,12 +159,16 @@ def exposition(client: redis.Redis, queue: str) -> bytes:
         from prometheus_client import REGISTRY
 
         text = generate_latest(REGISTRY)
-    workers = CollectorRegistry(auto_describe=False)
-    workers.register(WorkerMetricsCollector(client, queue))
-    try:
-        text += generate_latest(workers)
-    except redis.RedisError as exc:
-        text += f"# workers' metrics unavailable: Redis error {type(exc).__name__}\n".encode()
+    for name, collector in (
+        ("workers' metrics", WorkerMetricsCollector(client, queue)),
+        ("GPU recommendation", CapacityCollector(client, queue, policy)),
+    ):
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(collector)
+        try:
+            text += generate_latest(registry)
+        except redis.RedisError as exc:
+            text += f"# {name} unavailable: Redis error {type(exc).__name__}\n".encode()
     return text
 
 

@@ -80,7 +80,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     """Prometheus exposition: every web process of this node, and every worker of the queue."""
     process = web_process()
     return HttpResponse(
-        metrics.exposition(process.client, process.aggregator.queue),
+        metrics.exposition(process.client, process.aggregator.queue, process.watcher.current),
         content_type=CONTENT_TYPE_LATEST,
     )
 

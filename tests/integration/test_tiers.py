@@ -17,6 +17,7 @@ from batching.access import STARTING_TIERS
 from batching.aggregator import BatchAggregator
 from batching.keys import LaneKeys
 from batching.policy import Policy
+from batching.recommendation import RECENT_S
 from inference_site.lib.stack import Stack
 from operations import dashboard
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
@@ -102,7 +103,7 @@ def test_a_higher_tier_is_served_ahead_of_a_lower_tiers_backlog(tiered: Stack) -
     for tier, replies in answers.items():
         # every request of this test, and the one that found the key working (those before
         # it were refused a key, in no tier)
-        assert round(rows[tier].goodput_rps * dashboard.RECENT_S) == len(replies) + 1
+        assert round(rows[tier].goodput_rps * RECENT_S) == len(replies) + 1
         assert rows[tier].rejected == rows[tier].timeouts == 0
     session = AdminSession(tiered.base_url)
     session.login(ADMIN_USER, ADMIN_PASSWORD)

@@ -11,6 +11,7 @@ from batching import stats
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
+from batching.recommendation import RECENT_S
 from operations import dashboard
 from tests.support import unique_queue
 
@@ -88,8 +89,8 @@ def test_tier_rows_count_each_tier_apart(redis_client: redis.Redis) -> None:
         total = sum(count for _, _, count in answers)
         ok = sum(count for outcome, _, count in answers if outcome == RequestOutcome.OK)
         limited = sum(c for o, _, c in answers if o == RequestOutcome.RATE_LIMITED)
-        assert row.requests_rps == total / dashboard.RECENT_S
-        assert row.goodput_rps == ok / dashboard.RECENT_S
+        assert row.requests_rps == total / RECENT_S
+        assert row.goodput_rps == ok / RECENT_S
         assert row.goodput_percent == 100 * ok / (total - limited)
         assert row.rate_limited == limited
         by_outcome = {outcome: count for outcome, _, count in answers}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from operations.recommendation import IDLE, OVER, RIGHT, UNDER, needed_gpus, recommend
+from batching.recommendation import IDLE, OVER, RIGHT, UNDER, needed_gpus, recommend
 
 
 def test_the_issue_example_by_hand() -> None:

@@ -6,13 +6,26 @@ max_batch_size x fill / sampler_s requests per second. The fewest GPUs for a rat
 therefore ceil(rate x sampler_s / (max_batch_size x fill target)). The fill target (below
 100%) is the headroom: at 100% every GPU is busy all the time and any burst waits.
 
-Django-free: plain numbers in, a Recommendation out.
+The same figure is the stats page's advice and the Prometheus gauges
+`sampling_gpus_recommended` / `sampling_gpus_live` that an autoscaler (KEDA, an HPA on an
+external metric) scales the workers on: `observed` reads it from a queue's last minute.
+
+Django-free: plain numbers (or a Redis client and a queue) in, a Recommendation out.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+
+import redis
+
+from batching import stats
+from batching.aggregator import BatchAggregator
+from batching.policy import Policy
+
+RECENT_S = 60  # the window of the recommendation (and of the stats page's headline figures)
 
 OVER = "over-provisioned"
 UNDER = "under-provisioned"
@@ -102,6 +115,40 @@ def recommend(
         mean_batch=mean_batch,
         deadline_ms=deadline_ms,
     )
+
+
+def recent_summary(client: redis.Redis, queue: str, now: float | None = None) -> stats.Summary:
+    """The queue's last RECENT_S whole seconds, summed over every process and worker."""
+    current = int(time.time() if now is None else now)
+    minute = stats.read_buckets(client, queue, stats.SECOND, current - RECENT_S, current)
+    return stats.Summary(stats.merge(counts for _, counts in minute), RECENT_S)
+
+
+def from_traffic(
+    recent: stats.Summary, aggregator: BatchAggregator, policy: Policy
+) -> Recommendation:
+    """The recommendation for `recent` traffic under `policy`, with the live workers now.
+    Without a call in the window, the workers' running estimate of a call stands in."""
+    sampler_ms = recent.mean_sampler_ms()
+    if sampler_ms is None:
+        sampler_ms = aggregator.published_turn_ms()
+    return recommend(
+        rate_rps=recent.demand_rate(),
+        sampler_ms=sampler_ms or 1.0,
+        max_batch_size=policy.max_batch_size,
+        fill_target_percent=policy.fill_target_percent,
+        live_gpus=aggregator.live_workers(),
+        deadline_ms=policy.deadline_ms,
+        mean_batch=recent.mean_batch(),
+    )
+
+
+def observed(
+    client: redis.Redis, queue: str, policy: Policy, now: float | None = None
+) -> Recommendation:
+    """The recommendation for the queue's last minute: three round trips to Redis."""
+    aggregator = BatchAggregator(client, queue, max_batch_size=policy.max_batch_size)
+    return from_traffic(recent_summary(client, queue, now), aggregator, policy)
 
 
 def _plural(count: int, noun: str) -> str:

@@ -1,0 +1,105 @@
+"""The autoscaling signal: /metrics' sampling_gpus_recommended and sampling_gpus_live after a
+known minute of traffic written to a real Redis the way web processes and workers write it,
+checked against the calculation done by hand."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from batching import stats
+from batching.aggregator import BatchAggregator
+from batching.outcomes import RequestOutcome
+from batching.policy import Policy
+from batching.recommendation import RECENT_S
+from sampling.metrics import exposition
+from tests.support import unique_queue
+
+
+def feed(
+    client: redis.Redis,
+    queue: str,
+    *,
+    ok_per_s: int,
+    bad_per_s: int,
+    batches_per_s: int,
+    batch_size: int,
+    call_ms: float,
+    policy: Policy,
+) -> None:
+    """A steady minute (and a second either side, whatever second the scrape falls in): each
+    second `ok_per_s` answered and `bad_per_s` refused requests (the web processes' counts) and
+    `batches_per_s` calls of `call_ms` (the workers')."""
+    now = int(time.time())
+    with client.pipeline(transaction=False) as pipe:
+        for second in range(now - RECENT_S - 1, now + 2):
+            counts = {
+                "req:" + RequestOutcome.OK: ok_per_s,
+                "req:" + RequestOutcome.BAD_REQUEST: bad_per_s,
+            }
+            for _ in range(batches_per_s):
+                batch = stats.batch_counts(
+                    worker="w", size=batch_size, expired=0, queue_wait_ms=5,
+                    sampler_ms=call_ms, calls=1, max_batch_size=policy.max_batch_size,
+                )  # fmt: skip
+                for field, value in batch.items():
+                    counts[field] = counts.get(field, 0) + value
+            stats.add_counts(pipe, queue, second, counts)
+        pipe.execute()
+
+
+def gauges(client: redis.Redis, queue: str, policy: Policy) -> dict[str, float]:
+    text = exposition(client, queue, policy).decode()
+    found = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("sampling_gpus_recommended", "sampling_gpus_live"):
+            (sample,) = family.samples
+            assert sample.labels == {"queue": queue}
+            found[family.name] = sample.value
+    return found
+
+
+@pytest.mark.parametrize(
+    ("traffic", "policy", "live", "by_hand"),
+    [
+        # 3,000 req/s, 30 calls/s of 100 ms, batches of 100 at a 90% fill target:
+        # 3,000 x 0.1 s / (100 x 0.9) = 3.33 GPUs, so 4.
+        (dict(ok_per_s=3000, bad_per_s=0, batches_per_s=30, batch_size=100, call_ms=100),
+         Policy(max_batch_size=100, fill_target_percent=90), 2, 4),
+        # 1,000 req/s of which 200 bad requests (refused before any batch: no GPU demand),
+        # calls of 250 ms, batches of 50 at 80%: 800 x 0.25 / (50 x 0.8) = 5 exactly, so 5.
+        (dict(ok_per_s=800, bad_per_s=200, batches_per_s=16, batch_size=50, call_ms=250),
+         Policy(max_batch_size=50, fill_target_percent=80), 7, 5),
+        # The same demand with full batches planned for (100%): 4 GPUs.
+        (dict(ok_per_s=800, bad_per_s=200, batches_per_s=16, batch_size=50, call_ms=250),
+         Policy(max_batch_size=50, fill_target_percent=100), 1, 4),
+        # No traffic: 1, never 0 (a queue without a GPU answers nothing).
+        (dict(ok_per_s=0, bad_per_s=0, batches_per_s=0, batch_size=0, call_ms=0),
+         Policy(), 3, 1),
+    ],
+)  # fmt: skip
+def test_gauges_match_the_hand_calculation(
+    redis_client: redis.Redis, traffic: dict[str, int], policy: Policy, live: int, by_hand: int
+) -> None:
+    queue = unique_queue("gauges")
+    feed(redis_client, queue, policy=policy, **traffic)
+    aggregator = BatchAggregator(redis_client, queue, max_batch_size=policy.max_batch_size)
+    for index in range(live):
+        aggregator.heartbeat(f"worker-{index}")
+    assert gauges(redis_client, queue, policy) == {
+        "sampling_gpus_recommended": by_hand,
+        "sampling_gpus_live": live,
+    }
+
+
+def test_a_worker_that_leaves_leaves_the_live_gauge(redis_client: redis.Redis) -> None:
+    queue, policy = unique_queue("gauges"), Policy()
+    aggregator = BatchAggregator(redis_client, queue)
+    aggregator.heartbeat("staying")
+    aggregator.heartbeat("leaving")
+    assert gauges(redis_client, queue, policy)["sampling_gpus_live"] == 2
+    aggregator.forget_worker("leaving")  # as a worker stopping says so
+    assert gauges(redis_client, queue, policy)["sampling_gpus_live"] == 1
