@@ -6,8 +6,10 @@ STAMP := $(VENV)/.installed
 # Django's signing key for development and the tests, made once, git-ignored; production
 # sets DJANGO_SECRET_KEY (the settings refuse to start without one of the two).
 SECRET := .secret_key
+# GPUs of the host docker-compose.yml is made for (`make compose GPUS=8`; 0: one CPU worker).
+GPUS ?= 2
 
-.PHONY: run test test-fast soak lint format typecheck bench bench-compare bench-model bench-openai clean
+.PHONY: run test test-fast soak lint format typecheck bench bench-compare bench-model bench-openai compose audit clean
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt requirements-bench.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +63,19 @@ bench-model: $(STAMP) $(SECRET)
 # /v1/completions under aiperf (installed on first use into .venv-aiperf) and our generator.
 bench-openai: $(STAMP) $(SECRET)
 	$(PY) -m bench.openai_load
+
+# docker-compose.yml from deploy/compose.py (standard library only: no virtual environment),
+# through a temporary file so a bad GPUS leaves the old one in place.
+compose:
+	$(PYTHON) deploy/compose.py --gpus $(GPUS) > docker-compose.yml.tmp \
+		|| { rm -f docker-compose.yml.tmp; exit 1; }
+	mv docker-compose.yml.tmp docker-compose.yml
+
+# Known vulnerabilities in the pinned requirements (pip-audit, in a virtualenv of its own);
+# skipped with the reason when the advisory database cannot be reached (.ci/audit.py).
+audit:
+	test -x .venv-audit/bin/pip-audit || ($(PYTHON) -m venv .venv-audit && .venv-audit/bin/pip install --quiet pip-audit==2.10.1)
+	.venv-audit/bin/python .ci/audit.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info
