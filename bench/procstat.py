@@ -38,3 +38,17 @@ def accept_queue(port: int) -> int:
                 if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # LISTEN
                     waiting += int(queues.split(":")[1], 16)
     return waiting
+
+
+def accepted_connections(port: int) -> int:
+    """Open connections the server listening on `port` has accepted (established ones, less
+    those still in its accept queue): what holds its connection slots."""
+    established = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state = fields[1], fields[3]
+                if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:  # ESTABLISHED
+                    established += 1
+    return max(0, established - accept_queue(port))

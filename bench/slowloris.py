@@ -15,7 +15,8 @@ a process of their own, the measured requests from `bench/loadgen.py` (open loop
 at RATE req/s. Each round measures, in turns: through nginx without and with the slow
 connections, then straight to gunicorn without and with them. Reported per front: /sample's
 p50 and p99 over every request (a failure counts at the client's timeout), the share
-answered 200, and the p99's change from the same front without slow clients.
+answered 200, the p99's change from the same front without slow clients, and the most
+connections gunicorn held accepted while the slow clients were there.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 from batching.outcomes import RequestOutcome
 from bench import loadgen
 from bench.overload import simulated_env
+from bench.procstat import accepted_connections
 from bench.proxy import Nginx, nginx_binary
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import ROOT, Stack
@@ -150,17 +152,38 @@ class Front:
     port: int
 
 
+@contextlib.contextmanager
+def most_accepted(port: int, every_s: float = 0.5) -> Iterator[list[int]]:
+    """The most connections the server on `port` held accepted at once while the block ran."""
+    most, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(every_s):
+            most[0] = max(most[0], accepted_connections(port))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield most
+    finally:
+        done.set()
+        sampler.join()
+
+
 def measure_fronts(
-    fronts: list[Front], slow: int, seconds: float, rate_rps: float = RATE_RPS
-) -> list[dict[str, object]]:
-    """Each front without, then with, `slow` slow connections held against it."""
+    fronts: list[Front], slow: int, seconds: float, gunicorn_port: int,
+    rate_rps: float = RATE_RPS,
+) -> list[dict[str, object]]:  # fmt: skip
+    """Each front without, then with, `slow` slow connections held against it; with them, the
+    most connections gunicorn held accepted (of its WEB_WORKER_CONNECTIONS)."""
     rows: list[dict[str, object]] = []
     for front in fronts:
         rows.append({"front": front.name, "slow": 0, **measure(front.port, seconds, rate_rps)})
         clients = SlowClients("127.0.0.1", front.port, slow)
-        with clients.held():
+        with clients.held(), most_accepted(gunicorn_port) as gunicorn_held:
             figures = measure(front.port, seconds, rate_rps)
-        rows.append({"front": front.name, "slow": slow, "held": clients.opened, **figures})
+        rows.append({"front": front.name, "slow": slow, "held": clients.opened,
+                     "gunicorn connections": gunicorn_held[0], **figures})  # fmt: skip
         time.sleep(2.0)  # the slow connections' sockets closed before the next front
     return rows
 
@@ -175,8 +198,9 @@ def simulated_stack(redis_url: str) -> Stack:
 
 def table(rows: list[dict[str, object]]) -> str:
     lines = [
-        "| front | slow connections (held) | requests | 200 | p50 ms | p99 ms | p99 change |",
-        "|---|--:|--:|--:|--:|--:|--:|",
+        "| front | slow connections (held) | gunicorn's connections | requests | 200 | p50 ms "
+        "| p99 ms | p99 change |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for front in dict.fromkeys(str(row["front"]) for row in rows):
         mine = [row for row in rows if row["front"] == front]
@@ -185,13 +209,17 @@ def table(rows: list[dict[str, object]]) -> str:
             p99 = statistics.median(float(str(row["p99"])) for row in runs)
             base = statistics.median(float(str(row["p99"])) for row in mine if row["slow"] == 0)
             held = statistics.median(int(str(row.get("held", 0))) for row in runs)
+            accepted = statistics.median(
+                int(str(row.get("gunicorn connections", 0))) for row in runs
+            )
+            accepted_text = f"{accepted:,.0f}" if slow else ""
             ok = statistics.median(float(str(row["ok"])) for row in runs)
             p50 = statistics.median(float(str(row["p50"])) for row in runs)
             sent = statistics.median(int(str(row["sent"])) for row in runs)
             change = f"{(p99 / base - 1) * 100:+.0f}%" if slow else ""
             lines.append(
-                f"| {front} | {slow:,} ({held:,.0f}) | {sent:,.0f} | {ok:.1%} | {p50:,.0f} | "
-                f"{p99:,.0f} | {change} |"
+                f"| {front} | {slow:,} ({held:,.0f}) | {accepted_text} | {sent:,.0f} | {ok:.1%} "
+                f"| {p50:,.0f} | {p99:,.0f} | {change} |"
             )
     return "\n".join(lines)
 
@@ -231,7 +259,9 @@ def main() -> None:
                 fronts = [Front("nginx", nginx.port), Front("gunicorn", stack.port)]
                 for round_number in range(args.rounds):
                     print(f"round {round_number + 1}", flush=True)
-                    for row in measure_fronts(fronts, args.slow, args.seconds, args.rate):
+                    for row in measure_fronts(
+                        fronts, args.slow, args.seconds, stack.port, args.rate
+                    ):
                         print(f"  {row}", flush=True)
                         rows.append(row)
         finally:

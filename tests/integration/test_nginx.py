@@ -24,6 +24,11 @@ from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
 
+# The stack's gunicorn process takes this many connections (the default); the slow clients
+# come 1.5 times as many.
+WORKER_CONNECTIONS = 2000
+SLOW = WORKER_CONNECTIONS * 3 // 2
+
 
 def _require_nginx() -> None:
     if nginx_binary() is None:
@@ -36,7 +41,8 @@ def _require_nginx() -> None:
 def stack(start_stack: Callable[..., Stack]) -> Stack:
     """One simulated GPU behind one gunicorn process: gunicorn's 2,000 connections."""
     _require_nginx()
-    return start_stack("nginx", env={"SAMPLER": "simulated"}, web_processes=1)
+    env = {"SAMPLER": "simulated", "WEB_WORKER_CONNECTIONS": str(WORKER_CONNECTIONS)}
+    return start_stack("nginx", env=env, web_processes=1)
 
 
 @pytest.fixture
@@ -107,17 +113,24 @@ def test_slow_clients_cost_nginx_not_gunicorn(stack: Stack, nginx: Nginx) -> Non
     """3,000 slow connections: through nginx /sample's p99 moves by at most 20%; straight to
     gunicorn they take its 2,000 connections and requests fail or wait past their deadline."""
     rows = measure_fronts(
-        [Front("nginx", nginx.port), Front("gunicorn", stack.port)], slow=3000, seconds=10
+        [Front("nginx", nginx.port), Front("gunicorn", stack.port)],
+        slow=3000,
+        seconds=10,
+        gunicorn_port=stack.port,
     )
     for row in rows:
         print(row)
     by = {(row["front"], row["slow"]): row for row in rows}
     assert all(row["wrong"] == 0 for row in rows)
-    quiet, slowed = by["nginx", 0], by["nginx", 3000]
-    assert slowed["held"] == 3000  # all of them open at once
+    quiet, slowed = by["nginx", 0], by["nginx", SLOW]
+    assert slowed["held"] == SLOW  # all of them open at once
     assert quiet["ok"] == slowed["ok"] == 1.0
     assert float(str(slowed["p99"])) <= 1.2 * float(str(quiet["p99"])), (quiet, slowed)
-    alone, exhausted = by["gunicorn", 0], by["gunicorn", 3000]
+    # Through nginx, gunicorn holds only the requests in flight over nginx's pool.
+    assert int(str(slowed["gunicorn connections"])) < 200, slowed
+    alone, exhausted = by["gunicorn", 0], by["gunicorn", SLOW]
+    # Straight to it, the slow clients take every one of its connections.
+    assert int(str(exhausted["gunicorn connections"])) >= WORKER_CONNECTIONS, exhausted
     assert alone["ok"] == 1.0
     # Past gunicorn's 2,000 connections the rest wait in the kernel's backlog: some requests
     # get no answer before the client gives up, and the p99 is far past the deadline.
