@@ -1,8 +1,9 @@
 """deploy/nginx/ run by this machine's nginx, in front of a local stack, for tests and benches.
 
-The shipped configuration as it is, copied to a temporary directory with its three per-site
+The shipped configuration as it is, copied to a temporary directory with its per-site
 includes rewritten: the port, the one gunicorn upstream, and (optionally) the networks
-trusted with /admin/ and /metrics. nginx runs in the foreground as a child of this process.
+trusted with /admin/ and /metrics and the balancers trusted in front. nginx runs in the
+foreground as a child of this process.
 """
 
 from __future__ import annotations
@@ -29,10 +30,15 @@ def nginx_binary() -> str | None:
 
 class Nginx:
     def __init__(
-        self, upstream_port: int, trusted: list[str] | None = None, port: int | None = None
+        self,
+        upstream_port: int,
+        trusted: list[str] | None = None,
+        port: int | None = None,
+        balancers: list[str] | None = None,
     ) -> None:
         self.upstream_port = upstream_port
         self.trusted = trusted
+        self.balancers = balancers
         self.port = port or free_port()
         self.directory = Path(tempfile.mkdtemp(prefix="sampling-nginx-"))
         self.process: subprocess.Popen[bytes] | None = None
@@ -53,6 +59,11 @@ class Nginx:
         if self.trusted is not None:
             lines = [f"allow {network};" for network in self.trusted] + ["deny all;"]
             (self.directory / "trusted-networks.conf").write_text("\n".join(lines) + "\n")
+        if self.balancers is not None:
+            lines = [f"set_real_ip_from {network};" for network in self.balancers]
+            lines += ["geo $realip_remote_addr $from_balancer {", "    default 0;"]
+            lines += [f"    {network} 1;" for network in self.balancers] + ["}"]
+            (self.directory / "balancers.conf").write_text("\n".join(lines) + "\n")
         directives = f"daemon off; pid {self.directory / 'nginx.pid'};"
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(

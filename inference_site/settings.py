@@ -75,7 +75,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    # Last, as django-axes asks: it answers a locked-out login with its 429.
+    # After the others, as django-axes asks: it answers a locked-out login with its 429.
     "axes.middleware.AxesMiddleware",
     "inference_site.prometheus.HttpMetricsMiddleware",  # django-prometheus, fewer series
 ]
@@ -130,14 +130,15 @@ PROMETHEUS_EXPORT_MIGRATIONS = False
 # --- Behind a TLS-terminating proxy (README, "Deployment") -------------------------------
 # On in production: the proxy (deploy/nginx/nginx.conf, an Ingress) terminates TLS and says
 # so in X-Forwarded-Proto. Django then trusts that header, sends the admin's cookies only
-# over HTTPS, redirects plain-HTTP pages to HTTPS and sets HSTS. Probes and Prometheus reach
-# a web process directly over HTTP: their paths are never redirected, and neither are the
-# generating endpoints (inference_site.direct serves them before any middleware).
+# over HTTPS, redirects the admin's plain-HTTP pages to HTTPS and sets HSTS. Probes,
+# Prometheus and clients inside the cluster reach a web process directly over HTTP: the
+# probes', the metrics' and the API's paths are never redirected.
 DJANGO_HTTPS = env_bool("DJANGO_HTTPS", False)
 if DJANGO_HTTPS:
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
     SECURE_SSL_REDIRECT = True
-    SECURE_REDIRECT_EXEMPT = [r"^(healthz|readyz|metrics)$"]
+    # API clients (the OpenAI client, curl) would not follow a redirect of a POST anyway.
+    SECURE_REDIRECT_EXEMPT = [r"^(healthz|readyz|metrics|sample)$", r"^(v1|api)/"]
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True
 SECURE_HSTS_SECONDS = env_int(

@@ -205,6 +205,7 @@ def with_password(url: str, password: str) -> str:
         if "password" in query:
             return url
         return f"{url}{'&' if parts.query else '?'}password={quoted}"
-    user = urllib.parse.quote(parts.username or "", safe="")
-    host = parts.netloc.rpartition("@")[2]
+    # The user as written (still percent-encoded, if it is), and the host.
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:{quoted}@{host}"))
