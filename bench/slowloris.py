@@ -6,9 +6,11 @@
 A slowloris client opens connections and sends a request's head a line at a time, a line
 every 2 s, never finishing it; whenever the server closes one, it opens another. Each held
 connection costs the server what its design makes it cost: with gunicorn's gevent worker in
-front, a greenlet and one of the process's WEB_WORKER_CONNECTIONS (2,000) for as long as the
-client likes; with nginx in front (deploy/nginx/, this machine's nginx), a few hundred bytes
-in its event loop until client_header_timeout (10 s).
+front, a greenlet and one of the process's WEB_WORKER_CONNECTIONS (2,000) until gunicorn drops
+the head after its 5 s keep-alive, when the client at once takes the slot again (a slow body,
+once the head is in, is not bounded at all; not measured here); with nginx in front
+(deploy/nginx/, this machine's nginx), a few hundred bytes in its event loop until
+client_header_timeout (10 s).
 
 One simulated GPU (100 ms calls) behind one gunicorn process; the slow connections come from
 a process of their own, the measured requests from `bench/loadgen.py` (open loop, Poisson)

@@ -68,6 +68,10 @@ WEB = f"""\
       PORT: "{WEB_PORT}"
       # nginx appends the client's address to X-Forwarded-For (admin login throttling).
       WEB_PROXY_COUNT: "1"
+    volumes:
+      - ./models:/models:ro
+      # The admin's database (API keys, users, policy) outlives a rebuilt container.
+      - web-data:/var/lib/sampling
     # Not published on the host: clients come in through nginx.
     expose:
       - "{WEB_PORT}"
@@ -124,7 +128,8 @@ def header(gpus: int) -> str:
 # {_workers(gpus)}.
 #   export DJANGO_SECRET_KEY=$(python3 -c 'import secrets; print(secrets.token_urlsafe(50))')
 #   docker compose up --build
-#   curl -s localhost:8000/sample -d "E equals "
+#   docker compose exec web python manage.py createapikey me    # prints KEY
+#   curl -s localhost:8000/sample -H "Authorization: Bearer $KEY" -d "E equals "
 """
 
 
@@ -134,7 +139,8 @@ def render(gpus: int) -> str:
         raise ValueError(f"gpus must be 0 or more, not {gpus}")
     workers = [GPU_WORKER.format(gpu=gpu) for gpu in range(gpus)] or [CPU_WORKER]
     services = [REDIS, WEB, NGINX, *workers]
-    return header(gpus) + X_APP + "\nservices:\n" + "\n".join(services)
+    volumes = "\nvolumes:\n  web-data:\n"
+    return header(gpus) + X_APP + "\nservices:\n" + "\n".join(services) + volumes
 
 
 def _gpu_count(text: str) -> int:

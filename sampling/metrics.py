@@ -23,6 +23,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
+from batching.aggregator import HEARTBEAT_TIMEOUT_MS
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
@@ -141,7 +142,8 @@ class CapacityCollector:
         )
         recommended.add_metric([self.queue], advice.needed_gpus)
         live = GaugeMetricFamily(
-            "sampling_gpus_live", "Workers of the queue that heartbeated in the last 5 s",
+            "sampling_gpus_live",
+            f"Workers of the queue that heartbeated in the last {HEARTBEAT_TIMEOUT_MS / 1000:g} s",
             labels=["queue"],
         )  # fmt: skip
         live.add_metric([self.queue], advice.live_gpus)
