@@ -133,8 +133,11 @@ def test_body_limit_is_what_the_service_reads(nginx: Nginx) -> None:
 
 
 def test_slow_clients_cost_nginx_not_gunicorn(stack: Stack, nginx: Nginx) -> None:
-    """3,000 slow connections: through nginx /sample's p99 moves by at most 20%; straight to
-    gunicorn they take its 2,000 connections and requests fail or wait past their deadline."""
+    """3,000 slow connections: through nginx every /sample request is still answered within
+    its deadline and gunicorn holds only the requests in flight; straight to gunicorn they take
+    its 2,000 connections, and requests fail or wait far past their deadline. How much the p99
+    moves is a figure for bench.slowloris (medians of repeated runs, in the README), not for
+    one 10 s run on 2 shared cores, where the slow clients' own events compete for the CPU."""
     rows = measure_fronts(
         [Front("nginx", nginx.port), Front("gunicorn", stack.port)],
         slow=3000,
@@ -148,7 +151,8 @@ def test_slow_clients_cost_nginx_not_gunicorn(stack: Stack, nginx: Nginx) -> Non
     quiet, slowed = by["nginx", 0], by["nginx", SLOW]
     assert int(str(slowed["held"])) >= SLOW * 0.98  # (nearly) all of them open at once
     assert quiet["ok"] == slowed["ok"] == 1.0
-    assert float(str(slowed["p99"])) <= 1.2 * float(str(quiet["p99"])), (quiet, slowed)
+    # The service's promise holds for the others: each answered, and in its deadline.
+    assert float(str(slowed["p99"])) <= settings.SAMPLING_DEADLINE_MS, (quiet, slowed)
     # Through nginx, gunicorn holds only the requests in flight over nginx's pool.
     assert int(str(slowed["gunicorn connections"])) < 200, slowed
     alone, exhausted = by["gunicorn", 0], by["gunicorn", SLOW]
