@@ -22,6 +22,7 @@ N = TypeVar("N", int, float)
 __all__ = [
     "ImproperlyConfigured",
     "env_bool",
+    "env_choice",
     "env_float",
     "env_int",
     "env_list",
@@ -130,6 +131,16 @@ def env_bool(name: str, default: bool, environ: Mapping[str, str] | None = None)
     if raw in _FALSE:
         return False
     raise ImproperlyConfigured(f"{name} must be one of {sorted(_TRUE | _FALSE)}, got {raw!r}")
+
+
+def env_choice(
+    name: str, default: str, choices: tuple[str, ...], environ: Mapping[str, str] | None = None
+) -> str:
+    """One of `choices`, compared without case."""
+    value = env_str(name, default, environ).strip().lower()
+    if value not in choices:
+        raise ImproperlyConfigured(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
 
 
 def env_list(name: str, default: list[str], environ: Mapping[str, str] | None = None) -> list[str]:

@@ -5,6 +5,7 @@ import pytest
 from inference_site.lib.env import (
     ImproperlyConfigured,
     env_bool,
+    env_choice,
     env_float,
     env_int,
     env_list,
@@ -29,6 +30,8 @@ def test_values_are_parsed() -> None:
     assert env_bool("X", True, environ={"X": "off"}) is False
     assert env_list("X", [], environ={"X": "a, b,,c"}) == ["a", "b", "c"]
     assert env_name("X", "q", environ={"X": "model-7b.v2"}) == "model-7b.v2"
+    assert env_choice("X", "auto", ("auto", "on"), environ={"X": " ON "}) == "on"
+    assert env_choice("X", "auto", ("auto", "on"), environ={}) == "auto"
 
 
 @pytest.mark.parametrize(
@@ -50,6 +53,8 @@ def test_values_are_parsed() -> None:
          "SAMPLING_MAX_BATCH_SIZE must be a finite number"),
         (lambda env: env_float("SAMPLING_MAX_BATCH_SIZE", 1.0, maximum=1, environ=env), "1.5",
          "SAMPLING_MAX_BATCH_SIZE must be at most 1"),
+        (lambda env: env_choice("SAMPLING_MAX_BATCH_SIZE", "a", ("a", "b"), environ=env), "c",
+         "SAMPLING_MAX_BATCH_SIZE must be one of a, b; got 'c'"),
         (lambda env: env_text("SAMPLING_MAX_BATCH_SIZE", "", environ=env), "a\\q",
          r"SAMPLING_MAX_BATCH_SIZE: unknown escape \\q"),
     ],
