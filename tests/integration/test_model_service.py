@@ -4,8 +4,6 @@ in this process, prompt by prompt."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,10 +12,9 @@ import pytest
 from openai import OpenAI
 
 from batching.generation import Completion, Row, RowSettings
-from inference_site.lib.stack import ROOT, Stack
-from tests.support import unique_queue
+from inference_site.lib.stack import Stack
 from tests.support.http import sample
-from workers.launch import worker_command, worker_environment
+from tests.support.worker import worker_output_at_exit
 from workers.samplers.hf import HFSampler
 
 pytestmark = pytest.mark.integration
@@ -105,14 +102,9 @@ def test_a_worker_whose_model_cannot_load_exits(redis_url: str, tmp_path: Path) 
     """Celery swallows a worker_process_init handler's exception; the worker must not go on
     consuming batches it cannot run."""
     missing = tmp_path / "no-such-model"
-    base = {**os.environ, "REDIS_URL": redis_url, "SAMPLER": "hf", "SAMPLING_MODEL": str(missing)}
-    env = worker_environment(None, {**base, "SAMPLING_QUEUE": unique_queue("noload")})
-    env["PYTHONPATH"] = str(ROOT)
-    worker = subprocess.run(
-        worker_command(None, env["SAMPLING_QUEUE"]),
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    output = worker.stdout + worker.stderr
-    assert worker.returncode != 0, output[-2000:]
+    status, output = worker_output_at_exit(
+        redis_url, "noload", SAMPLER="hf", SAMPLING_MODEL=str(missing)
+    )
+    assert status != 0, output[-2000:]
     assert "the sampler could not be loaded, exiting" in output
     assert f"no model at {missing}" in output
