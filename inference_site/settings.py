@@ -19,6 +19,7 @@ from batching.policy import BOUNDS, Policy
 from batching.protocol import PRIORITY_STEPS
 from inference_site.lib.env import (
     env_bool,
+    env_choice,
     env_float,
     env_int,
     env_list,
@@ -234,6 +235,16 @@ SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS = env_int(
 # SAMPLER=hf: empty for the packaged SmolLM2-135M GGUF, else a local save_pretrained
 # directory, a local .gguf file or a Hub id already in the local cache.
 SAMPLING_MODEL = env_str("SAMPLING_MODEL", "")
+# SAMPLER=hf on a GPU: each decode step a CUDA graph replay on static KV caches
+# (workers/samplers/static_decode.py), captured at worker start. auto: on a GPU, and eager
+# `generate` with a warning if the capture fails; on: the worker does not start without the
+# graphs; off: always eager `generate`. A CPU runs eager `generate` (`on` refuses to start).
+SAMPLING_CUDA_GRAPHS = env_choice("SAMPLING_CUDA_GRAPHS", "auto", ("auto", "on", "off"))
+# The longest prompt, in tokens, the graphs take; a call with a longer one runs eager
+# `generate` (logged once). Each batch-size bucket's cache holds this plus max new tokens.
+SAMPLING_CUDA_GRAPH_PROMPT_TOKENS = env_int(
+    "SAMPLING_CUDA_GRAPH_PROMPT_TOKENS", 512, minimum=1, maximum=1_000_000
+)
 SAMPLING_MAX_NEW_TOKENS = _policy_int("SAMPLING_MAX_NEW_TOKENS", "max_new_tokens")
 SAMPLING_TEMPERATURE = _policy_float("SAMPLING_TEMPERATURE", "temperature")
 SAMPLING_TOP_P = _policy_float("SAMPLING_TOP_P", "top_p")

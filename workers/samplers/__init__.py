@@ -28,6 +28,8 @@ def _hf() -> Sampler:
             top_p=settings.SAMPLING_TOP_P,
             stop=settings.SAMPLING_STOP,
         ),
+        cuda_graphs=settings.SAMPLING_CUDA_GRAPHS,
+        graph_prompt_tokens=settings.SAMPLING_CUDA_GRAPH_PROMPT_TOKENS,
     )
 
 

@@ -21,6 +21,12 @@ from batching.generation import Completion, FinishReason, Row, cut_at_stop
 from inference_site.lib.env import env_bool
 from workers.samplers.base import GenerationSettings, PromptRejected, Sampler
 from workers.samplers.rows import RowEnds, RowSampling
+from workers.samplers.static_decode import (
+    DEFAULT_PROMPT_TOKENS,
+    GRAPH_BATCH_SIZES,
+    MIN_CAPACITY,
+    StaticDecoder,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +36,19 @@ PACKAGED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FALLBACK_CONTEXT_TOKENS = 2048
 
 
+# SAMPLING_CUDA_GRAPHS: `auto` captures on a CUDA device and falls back to eager `generate`
+# (with a warning) when the capture fails; `on` requires the capture (the worker does not
+# start without it); `off` always runs eager `generate`. A CPU runs eager `generate` unless `on`
+# makes it refuse to start.
+CUDA_GRAPH_MODES = ("auto", "on", "off")
+
+
 class ModelNotFound(Exception):
     """SAMPLING_MODEL names a local path that does not exist, or the packaged model is missing."""
+
+
+class CudaGraphsUnavailable(Exception):
+    """SAMPLING_CUDA_GRAPHS=on, and the CUDA graphs cannot be captured (or there is no GPU)."""
 
 
 @dataclass(frozen=True)
@@ -98,23 +115,36 @@ def choose_device(requested: str = "") -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
-def choose_dtype(device: str) -> Any:
+def choose_dtype(device: str, requested: str = "") -> Any:
+    """bf16 on a GPU (fp16 where it has none), fp32 on a CPU; `requested` ("float32"...)
+    overrides (the GPU tests compare paths free of bf16 rounding with it)."""
     import torch
 
+    if requested:
+        return getattr(torch, requested)
     if not device.startswith("cuda"):
         return torch.float32
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
 class HFSampler(Sampler):
-    """Loads the model once; each call left-pads the batch and runs one `generate`."""
+    """Loads the model once; each call left-pads the batch and runs one `generate`, or on a GPU
+    the same generation on a static cache with each decode step a CUDA graph replay
+    (workers.samplers.static_decode)."""
 
     def __init__(
         self,
         model: str = "",
         generation: GenerationSettings | None = None,
         device: str = "",
+        cuda_graphs: str = "auto",
+        graph_prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+        preloaded: tuple[Any, Any] | None = None,
+        dtype: str = "",
     ) -> None:
+        """`preloaded`: a (tokenizer, model) already built (the benchmark's random-weight
+        architectures), served as `model` names it instead of loading `model`; `dtype`: the
+        weights' ("float32", "bfloat16"), else the device's usual (choose_dtype)."""
         import torch
         from transformers import (
             AutoModelForCausalLM,
@@ -126,28 +156,28 @@ class HFSampler(Sampler):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a worker's log is not a terminal
-        self.source = resolve_model(model)
+        if cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"CUDA graphs must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")
+        if graph_prompt_tokens < 1:
+            raise ValueError(
+                f"the CUDA graphs' prompt bound must be positive: {graph_prompt_tokens}"
+            )
+        self.cuda_graphs = cuda_graphs
+        self.graph_prompt_tokens = graph_prompt_tokens
+        self.decoder: StaticDecoder | None = None
+        self._eager_noted = False
+        self.source = ModelSource(model) if preloaded else resolve_model(model)
         self.device = choose_device(device)
-        self.dtype = choose_dtype(self.device)
+        self.dtype = choose_dtype(self.device, dtype)
         self.name = f"hf:{self.source.label}"
 
         started = time.perf_counter()
-        kwargs: dict[str, Any] = {}
-        if self.source.gguf_file:
-            kwargs["gguf_file"] = self.source.gguf_file
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(self.source.name_or_path, **kwargs)
-            network = AutoModelForCausalLM.from_pretrained(
-                self.source.name_or_path, dtype=self.dtype, **kwargs
-            )
-        except OSError as exc:
-            if self.source.is_local or not env_bool("HF_HUB_OFFLINE", False):
-                raise
-            raise ModelNotFound(
-                f"{self.source.name_or_path} is not in the local Hugging Face cache and "
-                f"HF_HUB_OFFLINE=1: fetch it first (hf download {self.source.name_or_path}) "
-                "or give SAMPLING_MODEL a local directory"
-            ) from exc
+        if preloaded:
+            tokenizer, network = preloaded
+        else:
+            tokenizer, network = self._load(AutoTokenizer, AutoModelForCausalLM)
+        # The device only: a dtype here would cast the rotary frequencies (float32 buffers)
+        # as well; from_pretrained already gave the weights theirs.
         self.model = network.to(self.device).eval()
 
         # A decoder continues from the last position, so the padding goes on the left, and
@@ -164,8 +194,8 @@ class HFSampler(Sampler):
         self._criteria_class = StoppingCriteriaList
         eos = self.model.generation_config.eos_token_id or tokenizer.eos_token_id
         self._eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.configure(generation or GenerationSettings())
         self._torch = torch
+        self.configure(generation or GenerationSettings())
         if self.device == "cpu":
             log.warning(
                 "no GPU: %s runs on CPU, where a call takes seconds, not the ~100 ms the "
@@ -185,6 +215,32 @@ class HFSampler(Sampler):
             self.generation.top_p,
             self.generation.stop,
         )
+        # After the load and before the warm-up that gives the worker its first estimate.
+        if cuda_graphs == "on" and not self.device.startswith("cuda"):
+            raise CudaGraphsUnavailable(
+                f"SAMPLING_CUDA_GRAPHS=on needs a CUDA device, and this worker's is {self.device}"
+            )
+        if cuda_graphs == "on" or (cuda_graphs == "auto" and self.device.startswith("cuda")):
+            self.use_static_cache(graphs=True)
+
+    def _load(self, tokenizer_class: Any, model_class: Any) -> tuple[Any, Any]:
+        kwargs: dict[str, Any] = {}
+        if self.source.gguf_file:
+            kwargs["gguf_file"] = self.source.gguf_file
+        try:
+            tokenizer = tokenizer_class.from_pretrained(self.source.name_or_path, **kwargs)
+            network = model_class.from_pretrained(
+                self.source.name_or_path, dtype=self.dtype, **kwargs
+            )
+        except OSError as exc:
+            if self.source.is_local or not env_bool("HF_HUB_OFFLINE", False):
+                raise
+            raise ModelNotFound(
+                f"{self.source.name_or_path} is not in the local Hugging Face cache and "
+                f"HF_HUB_OFFLINE=1: fetch it first (hf download {self.source.name_or_path}) "
+                "or give SAMPLING_MODEL a local directory"
+            ) from exc
+        return tokenizer, network
 
     def configure(self, generation: GenerationSettings) -> None:
         if self.context_tokens - generation.max_new_tokens < 1:
@@ -193,6 +249,78 @@ class HFSampler(Sampler):
                 f"in the model's {self.context_tokens}-token context"
             )
         self.generation = generation
+        if self.decoder is not None and self.decoder.capacity < self._graph_capacity():
+            log.info(
+                "max new tokens now %d: making the static caches again, longer",
+                generation.max_new_tokens,
+            )
+            try:  # no reference to the old decoder kept here: its memory goes first
+                self.use_static_cache(self.decoder.graphs)
+            except CudaGraphsUnavailable as exc:  # SAMPLING_CUDA_GRAPHS=on: serve, slower
+                log.error("%s: sampling with eager generate", exc)
+
+    # --- the static-cache path ---------------------------------------------------------------
+
+    def _graph_capacity(self) -> int:
+        """Cache positions for a prompt of the bound's length and the queue's max new tokens
+        (all but the last new token), within the model's context."""
+        wanted = self.graph_prompt_tokens + self.generation.max_new_tokens - 1
+        return max(MIN_CAPACITY, min(self.context_tokens, wanted))
+
+    def static_decoder(
+        self, graphs: bool, buckets: tuple[int, ...] = GRAPH_BATCH_SIZES
+    ) -> StaticDecoder:
+        """A static-cache decoder for this model, sized for the queue's settings: with CUDA
+        graphs (a GPU only), or its steps run eagerly (any device; the tests' reference)."""
+        return StaticDecoder(
+            self.model, self.tokenizer.pad_token_id, self._graph_capacity(), buckets, graphs
+        )
+
+    def use_static_cache(self, graphs: bool = True) -> bool:
+        """Samples on static caches from the next call, each decode step a CUDA graph replay
+        (`graphs`, a GPU only) or run eagerly (any device: the tests' and the benchmark's
+        reference). A capture that fails leaves the sampler on eager `generate`, with a warning
+        that says so; with SAMPLING_CUDA_GRAPHS=on it raises instead."""
+        torch = self._torch
+        cuda = self.device.startswith("cuda")
+        self.decoder = None  # the old graphs and caches go before new ones are made
+        if cuda:
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_reserved(self.device)
+        failure = ""
+        try:
+            decoder = self.static_decoder(graphs)
+        except Exception as exc:  # any failure of a capture means eager
+            if self.cuda_graphs == "on":
+                raise CudaGraphsUnavailable(
+                    f"SAMPLING_CUDA_GRAPHS=on and the CUDA graph capture failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            failure = f"{type(exc).__name__}: {exc}"
+        if failure:  # out of the except block: the half-made decoder is gone with its frame
+            if cuda:
+                torch.cuda.empty_cache()
+            log.warning(
+                "CUDA graph capture failed (%s): %s samples with eager generate, which is "
+                "slower on a GPU (SAMPLING_CUDA_GRAPHS=off skips the capture)",
+                failure,
+                self.source.label,
+            )
+            return False
+        # Reserved, not allocated: the graphs' pool keeps its intermediates' blocks.
+        memory_mib = (torch.cuda.memory_reserved(self.device) - before) / 2**20 if cuda else 0
+        log.info(
+            "static caches%s in %.1f s for batches of %s rows, prompts up to %d tokens "
+            "(%d positions; %.0f MiB of GPU memory)",
+            " and CUDA graphs" if graphs else " (steps run eagerly)",
+            decoder.ready_s,
+            ", ".join(str(rows) for rows in sorted(decoder.buckets)),
+            decoder.max_prompt_tokens(self.generation.max_new_tokens),
+            decoder.capacity,
+            memory_mib,
+        )
+        self.decoder = decoder
+        return True
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -244,25 +372,19 @@ class HFSampler(Sampler):
             return results
 
         settings = [rows[i].settings for i in accepted]
-        batch = self.tokenizer.pad(
-            {"input_ids": [token_ids[i] for i in accepted]},
-            padding=True,
-            return_tensors="pt",
-        ).to(self.device)
-        prompt_length = batch["input_ids"].shape[1]
+        prompts = [token_ids[i] for i in accepted]
+        # Both paths pad the prompts on the left to the longest.
+        prompt_length = max(len(ids) for ids in prompts)
         ends = RowEnds(settings, prompt_length, self.tokenizer, self._eos_ids)
-        processors = self._processors_class([RowSampling(settings, self.device)])
+        sampling = RowSampling(settings, self.device)
         max_new_tokens = max(row.max_tokens for row in settings)
-        with self._torch.inference_mode():
-            output = self.model.generate(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                generation_config=self._generation_config(max_new_tokens),
-                logits_processor=processors,
-                stopping_criteria=self._criteria_class([ends]),
-            )
-        # Only the new tokens: everything after the (padded) prompt.
-        new_tokens = output[:, prompt_length:].tolist()
+        decoder = self.decoder
+        if decoder is not None and decoder.fits(len(prompts), prompt_length, max_new_tokens):
+            new_tokens = decoder.generate(prompts, sampling, ends, max_new_tokens)
+        else:
+            if decoder is not None:
+                self._note_eager(prompt_length, decoder)
+            new_tokens = self._generate_eagerly(prompts, sampling, ends, max_new_tokens)
         for position, index in enumerate(accepted):
             kept, reason = ends.kept(position, new_tokens[position])
             text = self.tokenizer.decode(kept, skip_special_tokens=True)
@@ -274,6 +396,42 @@ class HFSampler(Sampler):
                 len(kept),
             )
         return results
+
+    def _generate_eagerly(
+        self,
+        prompts: list[list[int]],
+        sampling: RowSampling,
+        ends: RowEnds,
+        max_new_tokens: int,
+    ) -> list[list[int]]:
+        """One `generate` on the left-padded prompts: each row's new tokens."""
+        batch = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(
+            self.device
+        )
+        with self._torch.inference_mode():
+            output = self.model.generate(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                generation_config=self._generation_config(max_new_tokens),
+                logits_processor=self._processors_class([sampling]),
+                stopping_criteria=self._criteria_class([ends]),
+            )
+        # Only the new tokens: everything after the (padded) prompt.
+        return output[:, batch["input_ids"].shape[1] :].tolist()
+
+    def _note_eager(self, prompt_length: int, decoder: StaticDecoder) -> None:
+        """Logs, once per process, that a call's prompts were too long for the CUDA graphs."""
+        if self._eager_noted:
+            return
+        self._eager_noted = True
+        log.warning(
+            "a call with a %d-token prompt ran with eager generate: the CUDA graphs take "
+            "prompts of up to %d tokens with %d new tokens (SAMPLING_CUDA_GRAPH_PROMPT_TOKENS); "
+            "logged once",
+            prompt_length,
+            decoder.max_prompt_tokens(self.generation.max_new_tokens),
+            self.generation.max_new_tokens,
+        )
 
     def _token_ids(self, rows: list[Row]) -> list[list[int]]:
         """Each row's prompt as token ids. A chat rendered by the template carries its own

@@ -13,7 +13,8 @@ runs greedy (argmax) and these two hooks make it row by row:
   token, or once its text contains one of its stop strings, and remembers which and when:
   the sampler keeps only the row's tokens up to its end.
 
-Imported by the Hugging Face sampler only (it needs torch).
+Imported by the Hugging Face sampler only (it needs torch). Both hooks serve `generate` and the
+static-cache decode loop (workers.samplers.static_decode) alike.
 """
 
 from __future__ import annotations
@@ -93,13 +94,21 @@ class RowEnds(StoppingCriteria):
         self.stop_window = longest_stop + STOP_WINDOW_SLACK if longest_stop else 0
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> Any:
+        self.observe(input_ids)
+        return torch.tensor(
+            [end is not None for end in self.ended], dtype=torch.bool, device=input_ids.device
+        )
+
+    def observe(self, input_ids: torch.Tensor) -> bool:
+        """Notes the rows that end with the newest token of `input_ids` (the padded prompts and
+        the new tokens so far); whether every row has ended."""
         generated = input_ids.shape[1] - self.prompt_length
         # One copy to the host a step: the last token of every row, and the newest tokens of
         # the rows that look for stop strings (a stop completed by this step's token spans
         # at most its length in tokens, a few more for tokens that decode to partial text).
         window = min(generated, self.stop_window)
         recent = input_ids[:, input_ids.shape[1] - window :].tolist() if window else None
-        last = input_ids[:, -1].tolist()
+        last = [tokens[-1] for tokens in recent] if recent else input_ids[:, -1].tolist()
         for row, settings in enumerate(self.settings):
             if self.ended[row] is not None:
                 continue
@@ -109,9 +118,7 @@ class RowEnds(StoppingCriteria):
                 self.ended[row] = (generated, FinishReason.STOP)
             elif generated >= settings.max_tokens:
                 self.ended[row] = (generated, FinishReason.LENGTH)
-        return torch.tensor(
-            [end is not None for end in self.ended], dtype=torch.bool, device=input_ids.device
-        )
+        return all(end is not None for end in self.ended)
 
     def _has_stop(self, recent: list[int], settings: RowSettings) -> bool:
         text = self.tokenizer.decode(recent, skip_special_tokens=True)
