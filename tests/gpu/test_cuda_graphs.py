@@ -1,0 +1,171 @@
+"""The CUDA graph path on a GPU: the packaged SmolLM2-135M on cuda:0, its decode steps captured
+at load (SAMPLING_CUDA_GRAPHS=on) for every batch-size bucket.
+
+In bf16, as a worker serves it, replays must equal the same steps run eagerly bit for bit (the
+same kernels on the same shapes). Comparisons across shapes (graphs against `generate`, a
+padded batch against each prompt alone, 37 rows in a 100-row bucket) run in float32: in bf16,
+another kernel for another shape rounds differently, and over thousands of greedy tokens one
+near-tie flips, which says nothing of the batching logic these tests are about.
+
+Skipped, with the reason in pytest's summary, where torch sees no CUDA device (CI has none).
+On a GPU machine they need only the sampler's packages (torch, transformers, gguf, Django's
+exceptions, redis-py) and the packaged model; this folder has no conftest, so
+`python -m pytest tests/gpu --confcutdir tests/gpu` runs them without the services the rest
+of the suite starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench.sampler import prompts_of_tokens
+from workers.samplers.base import Completion, GenerationSettings, Row, RowSettings
+from workers.samplers.hf import HFSampler
+from workers.samplers.static_decode import StaticDecoder
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device: the CUDA graph tests run on a GPU machine "
+    "(python -m pytest tests/gpu --confcutdir tests/gpu)",
+)
+
+NEW_TOKENS = 32
+SIZES = [1, 7, 8, 37, 64, 100]
+
+
+@pytest.fixture(scope="module")
+def sampler() -> HFSampler:
+    sampler = HFSampler("", GenerationSettings(max_new_tokens=NEW_TOKENS), cuda_graphs="on")
+    assert sampler.device == "cuda:0"
+    assert sampler.dtype == torch.bfloat16
+    return sampler
+
+
+@pytest.fixture(scope="module")
+def exact() -> HFSampler:
+    """The same model in float32, also on graphs."""
+    exact = HFSampler(
+        "", GenerationSettings(max_new_tokens=NEW_TOKENS), cuda_graphs="on", dtype="float32"
+    )
+    assert exact.dtype == torch.float32
+    assert exact.decoder is not None
+    return exact
+
+
+@pytest.fixture(scope="module")
+def graphs(sampler: HFSampler) -> StaticDecoder:
+    decoder = sampler.decoder
+    assert decoder is not None
+    assert decoder.graphs  # captured at load, before any call
+    assert all(bucket.graph is not None for bucket in decoder.buckets.values())
+    return decoder
+
+
+@pytest.fixture(scope="module")
+def prompts(sampler: HFSampler) -> list[str]:
+    """100 distinct prompts of 20 to 200 tokens."""
+    return prompts_of_tokens(100, 20, 200, sampler.count_tokens)
+
+
+@contextmanager
+def decoding_with(sampler: HFSampler, decoder: StaticDecoder | None) -> Iterator[None]:
+    """`decoder` for the calls in the block (None: eager generate); the graphs after."""
+    captured = sampler.decoder
+    sampler.decoder = decoder
+    try:
+        yield
+    finally:
+        sampler.decoder = captured
+
+
+def rows_of(prompts: list[str]) -> list[Row]:
+    """Greedy and sampled rows with their own max tokens, seeds and stops."""
+    settings = [
+        RowSettings(max_tokens=NEW_TOKENS),
+        RowSettings(max_tokens=5),
+        RowSettings(max_tokens=NEW_TOKENS, temperature=0.8, top_p=0.9, seed=1),
+        RowSettings(max_tokens=20, temperature=1.2, seed=2),
+        RowSettings(max_tokens=NEW_TOKENS, stop=(".", "\n")),
+    ]
+    return [Row(prompt, settings[i % len(settings)]) for i, prompt in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_graph_replays_write_what_the_same_steps_write_eagerly(
+    sampler: HFSampler, graphs: StaticDecoder, prompts: list[str], size: int
+) -> None:
+    rows = rows_of(prompts[:size])
+    replayed = sampler.batched_complete(rows)
+    with decoding_with(sampler, sampler.static_decoder(graphs=False)):
+        stepped = sampler.batched_complete(rows)
+    assert replayed == stepped
+    assert all(isinstance(c, Completion) for c in replayed)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_greedy_graphs_write_what_eager_generate_writes(
+    exact: HFSampler, prompts: list[str], size: int
+) -> None:
+    replayed = exact.batched_sample(prompts[:size])
+    with decoding_with(exact, None):
+        generated = exact.batched_sample(prompts[:size])
+    assert replayed == generated
+
+
+def test_rows_with_their_own_settings_match_eager_generate(
+    exact: HFSampler, prompts: list[str]
+) -> None:
+    rows = rows_of(prompts[:37])
+    replayed = exact.batched_complete(rows)
+    with decoding_with(exact, None):
+        generated = exact.batched_complete(rows)
+    assert replayed == generated
+
+
+def test_a_padded_batch_equals_each_prompt_alone(exact: HFSampler, prompts: list[str]) -> None:
+    mixed = prompts[::7]  # 15 prompts of 20 to 200 tokens
+    batched = exact.batched_sample(mixed)
+    alone = [exact.batched_sample([prompt])[0] for prompt in mixed]
+    assert batched == alone
+
+
+def test_a_capture_for_100_rows_serves_37_prompts(exact: HFSampler, prompts: list[str]) -> None:
+    hundred = exact.static_decoder(graphs=True, buckets=(100,))
+    assert hundred.buckets[100].graph is not None
+    chosen = prompts[3:40]
+    with decoding_with(exact, hundred):
+        served = exact.batched_sample(chosen)
+    with decoding_with(exact, None):
+        generated = exact.batched_sample(chosen)
+    assert len(served) == 37
+    assert served == generated
+
+
+def test_gpu_memory_does_not_grow_over_200_calls(
+    sampler: HFSampler, graphs: StaticDecoder, prompts: list[str]
+) -> None:
+    sizes = [1, 3, 8, 20, 37, 64, 100]
+    for size in sizes:  # every bucket used, once, before the count starts
+        sampler.batched_complete(rows_of(prompts[:size]))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for call in range(200):
+        size = sizes[call % len(sizes)]
+        sampler.batched_complete(rows_of(prompts[call % 7 : call % 7 + size]))
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    # One call's logits for 37 rows alone are 7 MiB: a per-call leak would be gigabytes.
+    assert grown <= 16 * 2**20, f"{grown / 2**20:.1f} MiB more after 200 calls"
+
+
+def test_the_worker_s_warm_up_runs_on_the_graphs(sampler: HFSampler, graphs: Any) -> None:
+    assert sampler.decoder is graphs
+    assert 0 < sampler.warm_up() < 10_000
