@@ -84,8 +84,10 @@ ADMISSION_FRESH_S = 0.1
 # A request's call reads the figure again when its process read it over this long ago: under
 # load, one request in several carries the HGET.
 ADMISSION_REFRESH_S = 0.01
-# A process reads a shard's Redis time this often (its clock offset; see `_redis_now_ms`).
+# A process reads a shard's Redis time this often (its clock offset; see `_redis_now_ms`),
+# with this many TIME round trips, keeping the tightest.
 CLOCK_REFRESH_S = 10.0
+CLOCK_SAMPLES = 3
 # A request that finds its batch full joins the next; this many tries, then a RedisError.
 APPEND_ATTEMPTS = 8
 # The last batch records kept for operators, tests and the benchmark.
@@ -929,15 +931,24 @@ class BatchAggregator:
     def _redis_now_ms(self, keys: ShardKeys, now: float | None = None) -> int:
         """The shard's Redis server time in ms, from this process's monotonic clock and an
         offset read with TIME every CLOCK_REFRESH_S (items' deadlines and batches' times are
-        in the time of the Redis node that holds them: no shared clock)."""
+        in the time of the Redis node that holds them: no shared clock).
+
+        Never ahead of the node's clock: TIME ran at some point of its round trip, so the
+        node's time minus the round trip's end is a lower bound of the offset, and the
+        largest of CLOCK_SAMPLES such bounds the tightest. A midpoint could be ahead by half
+        a round trip, and a first round trip that also connects and loads the script, under
+        gevent on busy cores, can take tens of ms: a request's deadline then lay that much
+        past its budget in the node's time, and a worker sampled items it should have
+        dropped, answering after their requests had given up."""
         offset = self._clock_offsets.get(keys.tag)
         now = time.monotonic() if now is None else now
         if offset is None or now - offset[1] > CLOCK_REFRESH_S:
-            before = time.monotonic()
-            seconds, micros = self._clock(keys=[keys.open_batch])
-            now = time.monotonic()
-            redis_ms = int(seconds) * 1000 + int(micros) / 1000
-            offset = self._clock_offsets[keys.tag] = (redis_ms - (before + now) * 500, now)
+            bounds = []
+            for _ in range(CLOCK_SAMPLES):
+                seconds, micros = self._clock(keys=[keys.open_batch])
+                now = time.monotonic()
+                bounds.append(int(seconds) * 1000 + int(micros) / 1000 - now * 1000)
+            offset = self._clock_offsets[keys.tag] = (max(bounds), now)
         return int(now * 1000 + offset[0])
 
     def open_batch_id(self, shard: int = 0, lane: int = 0) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import redis
@@ -345,3 +346,32 @@ def test_an_error_inside_the_append_is_raised_and_its_connection_stays_usable(
     ticket = aggregator.append("p", 500)
     assert (ticket.opened, ticket.index) == (True, 0)
     assert [item.prompt for item in aggregator.seal(ticket.batch_id).items] == ["p"]
+
+
+class SlowToSend(redis.Redis):
+    """A client whose first script call waits before it reaches Redis, as a first round trip
+    that connects and loads the script on busy cores does."""
+
+    def __init__(self, url: str, delay_s: float) -> None:
+        pool = redis.ConnectionPool.from_url(url)
+        super().__init__(connection_pool=pool)
+        self.delay_s = delay_s
+
+    def evalsha(self, *args: Any, **kwargs: Any) -> Any:
+        delay_s, self.delay_s = self.delay_s, 0.0
+        time.sleep(delay_s)
+        return super().evalsha(*args, **kwargs)
+
+
+def test_a_deadline_is_never_later_than_its_budget_in_redis_time(redis_url: str) -> None:
+    """A web process's estimate of the node's time is never ahead of it, even when its first
+    TIME round trip was slow: else an item's deadline lay past its budget and a worker would
+    sample it after its request had given up."""
+    client = SlowToSend(redis_url, delay_s=0.2)
+    aggregator = BatchAggregator(client, unique_queue("clock"), deadline_ms=500)
+    for budget_ms in (0, 80):
+        ticket = aggregator.append(f"budget {budget_ms}", budget_ms)
+        seconds, micros = redis.Redis.from_url(redis_url).time()
+        redis_now_ms = seconds * 1000 + micros / 1000
+        (item,) = aggregator.seal(ticket.batch_id).items
+        assert item.deadline_ms <= redis_now_ms + budget_ms
