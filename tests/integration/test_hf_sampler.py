@@ -19,6 +19,7 @@ from workers.samplers.hf import (
     PACKAGED_MODEL_FILE,
     HFSampler,
     ModelNotFound,
+    choose_device,
     packaged_model_path,
     resolve_model,
 )
@@ -189,7 +190,8 @@ def test_warm_up_reports_a_duration(tiny: HFSampler) -> None:
 
 def test_packaged_smollm2_loads_and_writes_text(smollm2: HFSampler) -> None:
     assert smollm2.name == f"hf:{PACKAGED_MODEL_FILE}"
-    assert smollm2.device == "cpu"
+    # The worker's own choice (cuda:0 on a GPU machine, where these tests also run in bf16).
+    assert smollm2.device == choose_device()
     assert smollm2.context_tokens == 8192
     # A fact a 135M model knows: garbled weights (a bad GGUF dequantisation) would miss it.
     completion = smollm2.batched_sample(["The capital of France is"])[0]
