@@ -17,7 +17,7 @@ from django.conf import settings
 
 from batching.policy import BOUNDS
 from bench.proxy import CONFIG_DIR, Nginx, nginx_binary
-from bench.slowloris import CLIENT_TIMEOUT_S, Front, measure_fronts
+from bench.slowloris import Front, measure_fronts
 from inference_site.lib.stack import Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
@@ -160,8 +160,6 @@ def test_slow_clients_cost_nginx_not_gunicorn(stack: Stack, nginx: Nginx) -> Non
     assert int(str(exhausted["gunicorn connections"])) >= WORKER_CONNECTIONS, exhausted
     assert alone["ok"] == 1.0
     # Past gunicorn's 2,000 connections the rest wait in the kernel's backlog: some requests
-    # get no answer before the client gives up, and the p99 is far past the deadline.
+    # are not answered 200, shed with a 503 for the deadline they spent waiting there or given
+    # up by the client. (Not the p99: those 503s are fast, and a run's share of them varies.)
     assert float(str(exhausted["ok"])) < 0.99, exhausted
-    assert float(str(exhausted["p99"])) > min(
-        1000 * CLIENT_TIMEOUT_S, 2 * settings.SAMPLING_DEADLINE_MS
-    )
