@@ -40,9 +40,9 @@ test-fast: $(STAMP) $(SECRET)
 	$(PY) -m pytest tests/unit
 
 # Ten minutes at 490 req/s (70% of what the slowest 2-core machine we ran on carries), Redis
-# and a worker restarted on the way (bench.soak; --rate for another); `make test` runs 60 s.
+# and a worker restarted on the way (python -m bench soak; --rate for another); `make test` runs 60 s.
 soak: $(STAMP) $(SECRET)
-	$(PY) -m bench.soak
+	$(PY) -m bench soak
 
 lint: $(STAMP)
 	$(PY) -m ruff check --fix .
@@ -53,17 +53,17 @@ typecheck: $(STAMP) $(SECRET)
 	$(VENV)/bin/lint-imports
 
 bench: $(STAMP) $(SECRET)
-	$(PY) -m bench.frontend
+	$(PY) -m bench frontend
 
 bench-compare: $(STAMP) $(SECRET)
-	$(PY) -m bench.compare
+	$(PY) -m bench compare
 
 bench-model: $(STAMP) $(SECRET)
-	$(PY) -m bench.sampler
+	$(PY) -m bench sampler
 
 # /v1/completions under aiperf (installed on first use into .venv-aiperf) and our generator.
 bench-openai: $(STAMP) $(SECRET)
-	$(PY) -m bench.openai_load
+	$(PY) -m bench openai_load
 
 # docker-compose.yml from deploy/compose.py (standard library only: no virtual environment),
 # through a temporary file so a bad GPUS leaves the old one in place.

@@ -1,6 +1,6 @@
 """The web process's CPU per `BatchAggregator.append`, the request's one Redis round trip.
 
-    .venv/bin/python -m bench.append_cost [--rounds 5] [--calls 5000]
+    .venv/bin/python -m bench append_cost [--rounds 5] [--calls 5000]
 
 Against a real Redis (embedded unless REDIS_URL is set), one process appends `--calls`
 requests in a row and reads its own CPU time (user + system) per call, for:
@@ -14,8 +14,6 @@ never fill (a max of 100 and a fresh queue per 90 calls): no CLOSE is counted.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import time
 import uuid
 from collections.abc import Callable
@@ -23,7 +21,9 @@ from collections.abc import Callable
 import redis
 
 from batching.aggregator import BatchAggregator
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from bench.harness.report import markdown_table
+from bench.harness.stats import median
+from inference_site.lib.embedded_redis import redis_url_or_embedded
 
 
 class PipelineAggregator(BatchAggregator):
@@ -55,17 +55,13 @@ def cpu_us_per_call(call: Callable[[int], None], calls: int) -> float:
     return (time.process_time() - started) / calls * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=5000)
-    args = parser.parse_args()
-    embedded = None
-    url = os.environ.get("REDIS_URL")
-    if not url:
-        embedded = EmbeddedRedis().start()
-        url = embedded.url
-    try:
+
+
+def main(args: argparse.Namespace) -> None:
+    with redis_url_or_embedded() as url:
         client = redis.Redis.from_url(url)
         cases: dict[str, Callable[[int], None]] = {
             "append": appender(client, BatchAggregator),
@@ -76,15 +72,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, call in cases.items():
                 figures[name].append(cpu_us_per_call(call, args.calls))
-        print(f"| case | client CPU µs per call (median of {args.rounds}) | rounds |")
-        print("|---|---:|---|")
-        for name, runs in figures.items():
-            shown = ", ".join(f"{run:.1f}" for run in runs)
-            print(f"| {name} | {statistics.median(runs):.1f} | {shown} |")
-    finally:
-        if embedded is not None:
-            embedded.stop()
-
-
-if __name__ == "__main__":
-    main()
+    header = ["case", f"client CPU µs per call (median of {args.rounds})", "rounds"]
+    rows = [
+        [name, f"{median(runs):.1f}", ", ".join(f"{run:.1f}" for run in runs)]
+        for name, runs in figures.items()
+    ]
+    print(markdown_table(header, rows, align="lrl"))

@@ -1,7 +1,9 @@
-"""A scaled-down farm on this machine: two web nodes and 4 simulated GPUs, the request path on
-one Redis or spread as 3 shards over a local 3-master cluster, under the same load.
+"""A scaled-down farm: 2 web nodes and 4 simulated GPUs, the request path on 1 Redis or 3 shards.
 
-    .venv/bin/python -m bench.farm [--rounds 2] [--rate 400] [--seconds 10]
+On this machine: two web nodes and 4 simulated GPUs, the request path on one Redis or spread
+as 3 shards over a local 3-master cluster, under the same load.
+
+    .venv/bin/python -m bench farm [--rounds 2] [--rate 400] [--seconds 10]
 
 Each round starts, per topology, a fresh set of servers and processes:
   - the Celery broker on its own Redis (CELERY_BROKER_URL; REDIS_URL points there too);
@@ -36,13 +38,15 @@ import redis
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.topology import redis_client
-from bench import loadgen
-from bench.compare import describe_machine
-from bench.procstat import cpu_seconds
-from bench.redis_cost import cpu_s
+from bench.harness import loadgen
+from bench.harness.machine import describe_machine
+from bench.harness.procstat import cpu_seconds, redis_cpu
+from bench.harness.report import markdown_table
+from bench.harness.stack import Stack, simulated_env, simulated_stack
+from bench.harness.stats import median_of_rounds
+from bench.harness.trees import in_turn
 from inference_site.lib.embedded_cluster import EmbeddedCluster
 from inference_site.lib.embedded_redis import EmbeddedRedis, valkey_binary
-from inference_site.lib.stack import Stack
 from workers.samplers.simulated import expected_completion
 
 CALL_MS = 100
@@ -81,23 +85,16 @@ def one_round(topology: str, rate_rps: float, seconds: float, work: Path) -> dic
         with request_path(topology) as (settings, nodes):
             queue = f"farm-{uuid.uuid4().hex[:8]}"
             env = {
-                "REDIS_URL": broker.url,
-                "CELERY_BROKER_URL": broker.url,
+                **simulated_env(broker.url, queue, call_ms=CALL_MS, CELERY_BROKER_URL=broker.url),
                 **settings,
-                "SAMPLER": "simulated",
-                "SIMULATED_BATCH_MS": str(CALL_MS),
-                "SAMPLING_QUEUE": queue,
-                "DJANGO_SECRET_KEY": "bench-only-" + uuid.uuid4().hex,
-                "LOG_LEVEL": "warning",
             }
             # The first web node starts the workers too; the second is a gunicorn alone.
             for node in range(WEB_NODES):
-                stack = Stack(
-                    env=dict(env),
+                stack = simulated_stack(
+                    env,
                     gpus=[None] * GPUS if node == 0 else [],
                     web_processes=1,
                     log_dir=work / queue / f"node-{node}",
-                    own_database=True,
                 )
                 stacks.append(stack)
                 stack.start(timeout_s=90)
@@ -118,16 +115,17 @@ def one_round(topology: str, rate_rps: float, seconds: float, work: Path) -> dic
             time.sleep(1.0)  # the warm-up's last batches recorded
             aggregator.client.delete(aggregator.keys.batch_log)
             broker_client = redis.Redis.from_url(broker.url)
-            redis_before = [cpu_s(node) for node in nodes]
-            broker_before = cpu_s(broker_client)
+            redis_before = [redis_cpu(node).total_s for node in nodes]
+            broker_before = redis_cpu(broker_client).total_s
             web_before = sum(cpu_seconds(stack.web.pid) for stack in stacks if stack.web)
             results = load(seconds, "farm")
             web_used = sum(cpu_seconds(stack.web.pid) for stack in stacks if stack.web)
             web_used -= web_before
             redis_used = [
-                cpu_s(node) - before for node, before in zip(nodes, redis_before, strict=True)
+                redis_cpu(node).total_s - before
+                for node, before in zip(nodes, redis_before, strict=True)
             ]
-            broker_used = cpu_s(broker_client) - broker_before
+            broker_used = redis_cpu(broker_client).total_s - broker_before
             time.sleep(0.5)  # the last batches recorded
             sizes = [json.loads(raw)["size"] for raw in aggregator.recent_batches()]
             wrong = results.count(loadgen.WRONG)
@@ -153,53 +151,43 @@ def one_round(topology: str, rate_rps: float, seconds: float, work: Path) -> dic
         broker.stop()
 
 
-def median_row(runs: list[dict[str, object]]) -> dict[str, object]:
-    row: dict[str, object] = {}
-    for name, first in runs[0].items():
-        if isinstance(first, list):
-            row[name] = [statistics.median(run[name][i] for run in runs)  # type: ignore[index]
-                         for i in range(len(first))]  # fmt: skip
-        else:
-            row[name] = statistics.median(float(run[name]) for run in runs)  # type: ignore[arg-type]
-    return row
-
-
 def table(figures: dict[str, list[dict[str, object]]], rate_rps: float) -> str:
     rounds = min(len(runs) for runs in figures.values())
-    lines = [
-        f"Farm: {WEB_NODES} web nodes (1 gunicorn process each), {GPUS} simulated GPUs "
-        f"({CALL_MS} ms a call), {rate_rps:g} req/s offered, medians of {rounds} rounds",
-        "",
-        "| request path | goodput req/s | 503 % | 504 % | p50 ms | p99 ms | items/batch "
-        "| web CPU ms/req | Redis CPU µs/req, per node | broker µs/req |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
-    ]
+    header = [
+        "request path", "goodput req/s", "503 %", "504 %", "p50 ms", "p99 ms", "items/batch",
+        "web CPU ms/req", "Redis CPU µs/req, per node", "broker µs/req",
+    ]  # fmt: skip
+    rows = []
     for topology, runs in figures.items():
-        row = median_row(runs)
+        row = median_of_rounds(runs)
         per_node = row["redis_us"]
-        assert isinstance(per_node, list)
-        lines.append(
-            f"| {topology} | {row['goodput']:.0f} | {row['503_%']:.1f} | {row['504_%']:.1f} "
-            f"| {row['p50_ms']:.0f} | {row['p99_ms']:.0f} | {row['fill']:.1f} "
-            f"| {row['web_ms']:.2f} | {', '.join(f'{us:.0f}' for us in per_node)} "
-            f"(sum {sum(per_node):.0f}) | {row['broker_us']:.0f} |"
-        )
-    return "\n".join(lines) + "\n"
+        rows.append([
+            topology, f"{row['goodput']:.0f}", f"{row['503_%']:.1f}", f"{row['504_%']:.1f}",
+            f"{row['p50_ms']:.0f}", f"{row['p99_ms']:.0f}", f"{row['fill']:.1f}",
+            f"{row['web_ms']:.2f}",
+            f"{', '.join(f'{us:.0f}' for us in per_node)} (sum {sum(per_node):.0f})",
+            f"{row['broker_us']:.0f}",
+        ])  # fmt: skip
+    title = (
+        f"Farm: {WEB_NODES} web nodes (1 gunicorn process each), {GPUS} simulated GPUs "
+        f"({CALL_MS} ms a call), {rate_rps:g} req/s offered, medians of {rounds} rounds"
+    )
+    return f"{title}\n\n{markdown_table(header, rows, align='lrrrrrrrlr')}\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rate", type=float, default=400.0, help="offered req/s, both nodes")
     parser.add_argument("--seconds", type=float, default=10.0, help="the measured part")
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> None:
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench-farm-"))
     figures: dict[str, list[dict[str, object]]] = {topology: [] for topology in TOPOLOGIES}
     try:
-        for round_number in range(1, args.rounds + 1):
-            order = TOPOLOGIES if round_number % 2 else TOPOLOGIES[::-1]
-            for topology in order:
+        for round_index in range(args.rounds):
+            for topology in in_turn(TOPOLOGIES, round_index):
                 row = one_round(topology, args.rate, args.seconds, work)
                 figures[topology].append(row)
                 shown = "  ".join(
@@ -207,13 +195,9 @@ def main() -> None:
                     for name, value in row.items()
                     if not isinstance(value, list)
                 )
-                print(f"  round {round_number} {topology}: {shown}", flush=True)
+                print(f"  round {round_index + 1} {topology}: {shown}", flush=True)
         print()
         print(table(figures, args.rate))
         print(f"{describe_machine()}; {time.monotonic() - started:.0f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()

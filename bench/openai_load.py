@@ -1,10 +1,12 @@
-"""/v1/completions under a fixed request rate, measured by a benchmark tool no one here wrote
-(NVIDIA's aiperf) and by our own load generator, in one run, alternating.
+"""/v1/completions at a fixed request rate, measured by NVIDIA's aiperf and by our own client.
 
-    .venv/bin/python -m bench.openai_load [--rate 100] [--seconds 20] [--rounds 2]
+A benchmark tool no one here wrote (aiperf) and our own load generator, in one run,
+alternating.
+
+    .venv/bin/python -m bench openai_load [--rate 100] [--seconds 20] [--rounds 2]
 
 Starts Redis (embedded unless REDIS_URL is set), one Celery worker with the simulated sampler
-and gunicorn (2 processes, as `make run`), then runs, per round, aiperf and bench.loadgen at
+and gunicorn (2 processes, as `make run`), then runs, per round, aiperf and our load generator at
 the same constant rate against /v1/completions: one prompt of 20 tokens, max_tokens 8, not
 streamed. Prints a markdown table: completed requests/s, errors, latency p50/p99, the web
 processes' CPU per request, and the client's CPU.
@@ -15,7 +17,7 @@ are not the service's. It counts tokens with the packaged SmolLM2's tokenizer, s
 with `save_pretrained` to `.cache/smollm2-tokenizer`: nothing is fetched from a model hub.
 
 The two clients measure latency differently: aiperf from when it sent each request, ours from
-when each request was due (a late send counts against the server: bench.loadgen). Both run
+when each request was due (a late send counts against the server: bench.harness.loadgen). Both run
 on the same 2 cores as the service, so compare them in one run only.
 """
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,10 +33,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench import loadgen
-from bench.procstat import cpu_seconds
-from inference_site.lib.embedded_redis import EmbeddedRedis
-from inference_site.lib.stack import ROOT, Stack
+from bench.harness import loadgen
+from bench.harness.procstat import cpu_seconds
+from bench.harness.report import markdown_table
+from bench.harness.stack import ROOT, new_queue, simulated_env, simulated_stack
+from bench.harness.stats import median_of_rounds
+from bench.harness.trees import in_turn
+from inference_site.lib.embedded_redis import redis_url_or_embedded
 from workers.samplers.simulated import expected_completion
 
 AIPERF_VERSION = "0.13.0"
@@ -130,44 +134,41 @@ def run_ours(port: int, model: str, rate: float, seconds: float) -> dict[str, fl
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=100.0, help="requests/s (default 100)")
     parser.add_argument("--seconds", type=float, default=20.0, help="per run (default 20)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds (default 2)")
-    args = parser.parse_args()
-    aiperf, tokenizer = ensure_aiperf(), ensure_tokenizer()
 
-    redis_server = None
-    redis_url = os.environ.get("REDIS_URL")
-    if not redis_url:
-        redis_server = EmbeddedRedis().start()
-        redis_url = redis_server.url
-    queue = f"bench-openai-{uuid.uuid4().hex[:6]}"
-    env = {"REDIS_URL": redis_url, "SAMPLER": "simulated", "SAMPLING_QUEUE": queue}
-    stack = Stack(
-        env=env, gpus=[None], web_processes=2, log_dir=Path("/tmp") / queue, own_database=True
-    )
-    figures: dict[str, list[dict[str, float]]] = {"aiperf": [], "bench.loadgen": []}
-    try:
-        stack.start(timeout_s=120)
-        assert stack.web is not None
-        for round_number in range(args.rounds):
-            order = ["aiperf", "bench.loadgen"]
-            for client in order if round_number % 2 == 0 else order[::-1]:
-                web_before = cpu_seconds(stack.web.pid)
-                if client == "aiperf":
-                    row = run_aiperf(aiperf, tokenizer, stack.port, queue, args.rate, args.seconds)
-                else:
-                    row = run_ours(stack.port, queue, args.rate, args.seconds)
-                web_cpu = cpu_seconds(stack.web.pid) - web_before
-                row["web_cpu_ms"] = web_cpu / max(1.0, row["requests"] + row["errors"]) * 1000
-                figures[client].append(row)
-                print(f"  round {round_number + 1} {client}: {_shown(row)}", flush=True)
-    finally:
-        stack.stop()
-        if redis_server is not None:
-            redis_server.stop()
+
+CLIENTS = ["aiperf", "bench.loadgen"]
+
+
+def main(args: argparse.Namespace) -> None:
+    aiperf, tokenizer = ensure_aiperf(), ensure_tokenizer()
+    figures: dict[str, list[dict[str, float]]] = {client: [] for client in CLIENTS}
+    with redis_url_or_embedded() as redis_url:
+        queue = new_queue("bench-openai")
+        env = simulated_env(redis_url, queue, log_level=None)
+        stack = simulated_stack(env, [None], log_dir=Path("/tmp") / queue)
+        try:
+            stack.start(timeout_s=120)
+            assert stack.web is not None
+            for round_index in range(args.rounds):
+                for client in in_turn(CLIENTS, round_index):
+                    web_before = cpu_seconds(stack.web.pid)
+                    if client == "aiperf":
+                        row = run_aiperf(
+                            aiperf, tokenizer, stack.port, queue, args.rate, args.seconds
+                        )
+                    else:
+                        row = run_ours(stack.port, queue, args.rate, args.seconds)
+                    web_cpu = cpu_seconds(stack.web.pid) - web_before
+                    handled = max(1.0, row["requests"] + row["errors"])
+                    row["web_cpu_ms"] = web_cpu / handled * 1000
+                    figures[client].append(row)
+                    print(f"  round {round_index + 1} {client}: {_shown(row)}", flush=True)
+        finally:
+            stack.stop()
     report(figures, args)
 
 
@@ -181,22 +182,18 @@ def report(figures: dict[str, list[dict[str, float]]], args: argparse.Namespace)
         f"{PROMPT_TOKENS}-token prompts, max_tokens {MAX_TOKENS}, simulated sampler (100 ms "
         f"calls), 2 gunicorn processes; medians of {args.rounds} rounds\n"
     )
-    print("| client | completed req/s | errors | p50 (ms) | p99 (ms) | web CPU per request "
-          "(ms) | client CPU (s) |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for client, rows in figures.items():
-        if not rows:
-            continue
-        cells = [
-            statistics.median(row[key] for row in rows)
-            for key in ("completed_rps", "errors", "p50_ms", "p99_ms", "web_cpu_ms",
-                        "client_cpu_s")
-        ]  # fmt: skip
-        label = f"aiperf {AIPERF_VERSION}" if client == "aiperf" else "bench.loadgen (ours)"
-        print(f"| {label} | "
-              f"{cells[0]:.1f} | {cells[1]:.0f} | {cells[2]:.1f} | {cells[3]:.1f} | "
-              f"{cells[4]:.2f} | {cells[5]:.1f} |")  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()
+    rows = []
+    for client, runs in figures.items():
+        if runs:
+            row = median_of_rounds(runs)
+            label = f"aiperf {AIPERF_VERSION}" if client == "aiperf" else "bench.loadgen (ours)"
+            rows.append([
+                label, f"{row['completed_rps']:.1f}", f"{row['errors']:.0f}",
+                f"{row['p50_ms']:.1f}", f"{row['p99_ms']:.1f}", f"{row['web_cpu_ms']:.2f}",
+                f"{row['client_cpu_s']:.1f}",
+            ])  # fmt: skip
+    header = [
+        "client", "completed req/s", "errors", "p50 (ms)", "p99 (ms)",
+        "web CPU per request (ms)", "client CPU (s)",
+    ]  # fmt: skip
+    print(markdown_table(header, rows))

@@ -1,38 +1,38 @@
 """One simulated GPU under open-loop load up to twice its limit: is every answer on time?
 
-    .venv/bin/python -m bench.overload                      # this tree, loads 50 to 200%
-    .venv/bin/python -m bench.overload --against 24e1407    # the same for an older commit too
+    .venv/bin/python -m bench overload                      # this tree, loads 50 to 200%
+    .venv/bin/python -m bench overload --against 24e1407    # the same for an older commit too
 
 One simulated GPU (100 ms a call, batches of 100: a limit of 1,000 req/s) behind gunicorn with
-2 gevent processes, and `bench/loadgen.py` offering Poisson arrivals on the same 2 cores (as in
-`bench/compare.py`). At each load the client counts every answer from its intended send time:
-goodput, the p99 and p99.9 of every answer whatever its status, the shares of 200, 503, 504
-and of anything else (another status, a connection error, no answer in 2 s), and each 200's
-body is checked against the simulated completion of its prompt; the web processes' and the
-client's CPU per request, and the most connections seen waiting in the kernel's accept queue
-(sampled every 100 ms). Requests carry `X-Request-Start` as behind nginx (`--stamp`). With
-`--against`, the older commit runs in a worktree of its own, the two trees taking turns each
-round; medians are reported. Ends with the overload goals of the issue checked on this tree's
-figures.
+2 gevent processes, and the harness's load generator offering Poisson arrivals on the same 2
+cores (as in `python -m bench compare`). At each load the client counts every answer from its
+intended send time: goodput, the p99 and p99.9 of every answer whatever its status, the shares
+of 200, 503, 504 and of anything else (another status, a connection error, no answer in 2 s),
+and each 200's body is checked against the simulated completion of its prompt; the web
+processes' and the client's CPU per request, and the most connections seen waiting in the
+kernel's accept queue (sampled every 100 ms). Requests carry `X-Request-Start` as behind nginx
+(`--stamp`). With `--against`, the older commit runs in a worktree of its own, the two trees
+taking turns each round; medians are reported. Ends with the overload goals of the issue
+checked on this tree's figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 from batching.outcomes import RequestOutcome
-from bench import loadgen
-from bench.gap import worktree
-from bench.procstat import accept_queue, cpu_seconds
+from bench.harness import loadgen
+from bench.harness.procstat import accept_queue, cpu_seconds
+from bench.harness.report import markdown_table
+from bench.harness.stack import Stack, new_queue, simulated_env, simulated_stack
+from bench.harness.stats import median_of_rounds, percentile
+from bench.harness.trees import Tree, in_turn, trees
 from inference_site.lib.embedded_redis import EmbeddedRedis
-from inference_site.lib.stack import ROOT, Stack
 from workers.samplers.simulated import expected_completion
 
 CALL_MS = 100
@@ -44,10 +44,13 @@ CLIENT_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
-class Tree:
+class Case:
+    """A tree measured one way: its name in the report, and whether its requests carry
+    X-Request-Start, as behind a proxy."""
+
     name: str
-    root: Path
-    stamp: bool = False  # requests carry X-Request-Start, as behind a proxy
+    tree: Tree
+    stamp: bool
 
 
 def measure(
@@ -95,39 +98,25 @@ def measure(
         "other": results.share(loadgen.OTHER),
         "wrong": results.count(loadgen.WRONG),
         "web cpu": web_cpu_s / max(1, results.sent) * 1000,
-        "send lag p99": loadgen.percentile(results.send_lag_ms, 99),
+        "send lag p99": percentile(results.send_lag_ms, 99),
         "client cpu": results.client_cpu_s / max(1, results.sent) * 1000,
         "accept queue": queued[0],
     }
 
 
-def simulated_env(redis_url: str, queue: str) -> dict[str, str]:
-    """The settings of a stack with one simulated GPU of CALL_MS calls and MAX_BATCH batches,
-    DEADLINE_MS deadlines (this benchmark's and bench.soak's)."""
-    return {
-        "REDIS_URL": redis_url,
-        "SAMPLER": "simulated",
-        "SIMULATED_BATCH_MS": str(CALL_MS),
-        "SAMPLING_MAX_BATCH_SIZE": str(MAX_BATCH),
-        "SAMPLING_DEADLINE_MS": str(DEADLINE_MS),
-        "SAMPLING_QUEUE": queue,
-        "LOG_LEVEL": "warning",
-        "DJANGO_SECRET_KEY": "bench-only-" + uuid.uuid4().hex,
-    }
-
-
-def run_tree(tree: Tree, redis_url: str, loads: list[int], duration_s: float) -> list[dict]:
-    queue = f"bench-overload-{uuid.uuid4().hex[:6]}"
-    env = simulated_env(redis_url, queue)
-    stack = Stack(env=env, gpus=[0], web_processes=2, root=tree.root,
-                  log_dir=Path("/tmp") / f"bench-{queue}", own_database=True)  # fmt: skip
+def run_case(case: Case, redis_url: str, loads: list[int], duration_s: float) -> list[dict]:
+    queue = new_queue("bench-overload")
+    env = simulated_env(
+        redis_url, queue, call_ms=CALL_MS, max_batch=MAX_BATCH, deadline_ms=DEADLINE_MS
+    )
+    stack = simulated_stack(env, [0], root=case.tree.root)
     rows = []
     try:
         stack.start(timeout_s=120)
         for load in loads:
-            row = measure(stack, load, duration_s, uuid.uuid4().hex[:6], tree.stamp)
+            row = measure(stack, load, duration_s, uuid.uuid4().hex[:6], case.stamp)
             rows.append(row)
-            print(f"  {tree.name:>8} {line(row)}", flush=True)
+            print(f"  {case.name:>8} {line(row)}", flush=True)
             time.sleep(1.0)  # the last answers and 504s of this level leave before the next
     finally:
         stack.stop()
@@ -165,26 +154,18 @@ COLUMNS = [
 ]
 
 
-def median_row(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-
-
 def table(figures: dict[str, dict[int, list[dict[str, float]]]]) -> str:
-    lines = [
-        "| code | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
-        "|---|" + "--:|" * len(COLUMNS),
+    rows = [
+        [name, *(fmt.format(median_of_rounds(runs)[key]) for key, _, fmt in COLUMNS)]
+        for name, by_load in figures.items()
+        for runs in by_load.values()
     ]
-    for name, by_load in figures.items():
-        for runs in by_load.values():
-            row = median_row(runs)
-            cells = [fmt.format(row[key]) for key, _, fmt in COLUMNS]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table(["code", *(title for _, title, _ in COLUMNS)], rows)
 
 
 def verdict(by_load: dict[int, list[dict[str, float]]]) -> list[str]:
     """The issue's overload goals, on medians."""
-    rows = {load: median_row(runs) for load, runs in by_load.items()}
+    rows = {load: median_of_rounds(runs) for load, runs in by_load.items()}
     best_below = max((row["goodput"] for load, row in rows.items() if load < 150), default=0.0)
     said = []
     goals = ((150, 0.90, 0.95, 50), (200, 0.85, None, 100))
@@ -206,8 +187,7 @@ def verdict(by_load: dict[int, list[dict[str, float]]]) -> list[str]:
     return said
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--against", help="a git ref measured the same way, taking turns")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=10.0, help="per load")
@@ -219,32 +199,33 @@ def main() -> None:
         help="requests carry X-Request-Start (their intended send time), as nginx sets it in "
         "front of a node (deploy/); both: this tree is measured with and without",
     )
-    args = parser.parse_args()
+
+
+def cases(versions: list[Tree], stamp: str) -> list[Case]:
+    """This tree once per stamp setting; an older one with the last of them."""
+    stamps = {"on": [True], "off": [False], "both": [False, True]}[stamp]
+    this = [Case("this" + ("+stamp" if on else ""), versions[-1], on) for on in stamps]
+    return [Case(tree.name, tree, stamps[-1]) for tree in versions[:-1]] + this
+
+
+def main(args: argparse.Namespace) -> None:
     print(
         f"1 simulated GPU: {CALL_MS} ms a call, batches of {MAX_BATCH} (limit {LIMIT_RPS:.0f} "
         f"req/s), deadline {DEADLINE_MS} ms, 2 gevent web processes; {args.seconds:g} s a load"
     )
     figures: dict[str, dict[int, list[dict[str, float]]]] = {}
     with contextlib.ExitStack() as resources:
-        stamps = {"on": [True], "off": [False], "both": [False, True]}[args.stamp]
-        trees = [Tree("this" + ("+stamp" if stamp else ""), ROOT, stamp) for stamp in stamps]
-        if args.against:
-            older = resources.enter_context(worktree(args.against))
-            trees.insert(0, Tree(args.against[:8], older, stamps[-1]))
+        measured = cases(trees(resources, args.against), args.stamp)
         server = EmbeddedRedis().start()
         resources.callback(server.stop)
-        for round_number in range(args.rounds):
-            print(f"round {round_number + 1}")
-            for tree in trees if round_number % 2 == 0 else trees[::-1]:
-                for row in run_tree(tree, server.url, args.loads, args.seconds):
-                    figures.setdefault(tree.name, {}).setdefault(int(row["load"]), []).append(row)
+        for round_index in range(args.rounds):
+            print(f"round {round_index + 1}")
+            for case in in_turn(measured, round_index):
+                for row in run_case(case, server.url, args.loads, args.seconds):
+                    figures.setdefault(case.name, {}).setdefault(int(row["load"]), []).append(row)
     print(f"\nMedians of {args.rounds} round(s):\n")
     print(table(figures))
     print()
     for name, by_load in figures.items():
         for said in verdict(by_load):
             print(f"{name} {said}")
-
-
-if __name__ == "__main__":
-    main()

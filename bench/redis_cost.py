@@ -1,7 +1,7 @@
 """What one request costs the Redis that carries the request path, against a plain SET.
 
-    .venv/bin/python -m bench.redis_cost                     # this tree, 3 rounds (~3 minutes)
-    .venv/bin/python -m bench.redis_cost --against 4a03537   # and an older commit, alternating
+    .venv/bin/python -m bench redis_cost                     # this tree, 3 rounds (~3 minutes)
+    .venv/bin/python -m bench redis_cost --against 4a03537   # and an older commit, alternating
 
 A Redis server's CPU per request on these VMs is mostly waking up for it (system calls,
 context switches, cold caches), so it is compared with what the same server spends on one
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
-import statistics
 import tempfile
 import time
 import uuid
@@ -41,11 +40,14 @@ from pathlib import Path
 import redis
 
 from batching.outcomes import RequestOutcome
-from bench import loadgen
-from bench.compare import describe_machine
-from bench.gap import Tree, worktree
+from bench.harness import loadgen
+from bench.harness.machine import describe_machine
+from bench.harness.procstat import redis_commands, redis_cpu
+from bench.harness.report import markdown_table
+from bench.harness.stack import simulated_env, simulated_stack
+from bench.harness.stats import median_of_rounds
+from bench.harness.trees import Tree, in_turn, trees
 from inference_site.lib.embedded_redis import EmbeddedRedis
-from inference_site.lib.stack import ROOT, Stack
 from workers.samplers.simulated import expected_completion
 
 CALL_MS = 100
@@ -56,22 +58,13 @@ SET_VIEW = "/baseline/set"
 LAYOUTS = ["own broker", "one Redis"]
 
 
-def cpu_s(client: redis.Redis) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-
-
-def commands(client: redis.Redis) -> int:
-    return sum(stat["calls"] for stat in client.info("commandstats").values())
-
-
 def set_round_trip_us(client: redis.Redis, count: int = SET_ROUND_TRIPS) -> float:
     """The server's CPU for one plain SET round trip from one client, in µs."""
     key = "bench:redis-cost:set"
-    before = cpu_s(client)
+    before = redis_cpu(client).total_s
     for index in range(count):
         client.set(key, index)
-    return (cpu_s(client) - before) / count * 1e6
+    return (redis_cpu(client).total_s - before) / count * 1e6
 
 
 @dataclass
@@ -85,22 +78,11 @@ class Bench:
         sampling = EmbeddedRedis().start()
         broker = EmbeddedRedis().start() if layout == "own broker" else sampling
         queue = f"cost-{uuid.uuid4().hex[:8]}"
-        stack = Stack(
-            env={
-                "REDIS_URL": sampling.url,
-                "CELERY_BROKER_URL": broker.url,
-                "SAMPLER": "simulated",
-                "SIMULATED_BATCH_MS": str(CALL_MS),
-                "SAMPLING_QUEUE": queue,
-                "DJANGO_SECRET_KEY": "bench-only-" + uuid.uuid4().hex,
-                "DJANGO_SETTINGS_MODULE": BASELINES,
-                "LOG_LEVEL": "warning",
-            },
-            gpus=[None] * WORKERS,
-            root=tree.root,
-            own_database=True,
-            log_dir=self.work / queue,
-        )
+        env = simulated_env(
+            sampling.url, queue, call_ms=CALL_MS, CELERY_BROKER_URL=broker.url,
+            DJANGO_SETTINGS_MODULE=BASELINES,
+        )  # fmt: skip
+        stack = simulated_stack(env, [None] * WORKERS, root=tree.root, log_dir=self.work / queue)
         try:
             stack.start(timeout_s=60)
             client = redis.Redis.from_url(sampling.url)
@@ -115,14 +97,14 @@ class Bench:
 
             def measured(path: str) -> tuple[loadgen.Results, float, int]:
                 load(path, 3.0, "warm")
-                cpu_before, commands_before = cpu_s(client), commands(client)
+                cpu_before, commands_before = redis_cpu(client).total_s, redis_commands(client)
                 results = load(path, self.seconds, "cost")
-                cpu_us = (cpu_s(client) - cpu_before) / results.sent * 1e6
-                return results, cpu_us, commands(client) - commands_before
+                cpu_us = (redis_cpu(client).total_s - cpu_before) / results.sent * 1e6
+                return results, cpu_us, redis_commands(client) - commands_before
 
             results, per_request_us, commands_run = measured("/sample")
             set_view_us = float("nan")  # an older tree has no SET view: compare µs/request
-            if tree.root == ROOT:
+            if tree.is_this:
                 set_results, set_view_us, _ = measured(SET_VIEW)
                 if set_results.share(RequestOutcome.OK) < 0.99:
                     raise RuntimeError(f"the SET view failed: {set_results.examples}")
@@ -151,58 +133,50 @@ class Bench:
         print(f"  {tree.name:<8} {layout:<10}  {shown}", flush=True)
 
 
+COLUMNS = (
+    ("request_us", "µs/request", 1), ("set_view_us", "µs/SET (view)", 1),
+    ("ratio_view", "ratio", 2), ("set_loop_us", "µs/SET (loop)", 1), ("ratio_loop", "ratio", 2),
+    ("cmds_per_req", "commands/request", 2), ("ok_%", "ok %", 1), ("p99_ms", "p99 ms", 0),
+)  # fmt: skip
+
+
 def table(bench: Bench, trees: list[Tree], layouts: list[str]) -> str:
     rounds = max(len(runs) for runs in bench.figures.values())
-    lines = [
-        f"Redis CPU per request at {bench.rate_rps:g} req/s, {WORKERS} simulated GPUs "
-        f"(median of {rounds} rounds)",
-        "",
-        "| code | layout | µs/request | µs/SET (view) | ratio | µs/SET (loop) | ratio "
-        "| commands/request | ok % | p99 ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for layout in layouts:
         for tree in trees:
             runs = bench.figures.get((tree.name, layout), [])
-            if not runs:
-                continue
-            cells = [
-                f"{statistics.median(run[name] for run in runs):.{digits}f}"
-                for name, digits in (
-                    ("request_us", 1), ("set_view_us", 1), ("ratio_view", 2),
-                    ("set_loop_us", 1), ("ratio_loop", 2), ("cmds_per_req", 2), ("ok_%", 1),
-                    ("p99_ms", 0),
-                )
-            ]  # fmt: skip
-            lines.append(f"| {tree.name} | {layout} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+            if runs:
+                row = median_of_rounds(runs)
+                cells = [f"{row[name]:.{digits}f}" for name, _, digits in COLUMNS]
+                rows.append([tree.name, layout, *cells])
+    header = ["code", "layout", *(title for _, title, _ in COLUMNS)]
+    title = (
+        f"Redis CPU per request at {bench.rate_rps:g} req/s, {WORKERS} simulated GPUs "
+        f"(median of {rounds} rounds)"
+    )
+    return f"{title}\n\n{markdown_table(header, rows, align='ll' + 'r' * len(COLUMNS))}\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--against", help="a git ref to measure in the same run, alternating")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rate", type=float, default=400.0, help="offered req/s")
     parser.add_argument("--seconds", type=float, default=15.0, help="the measured part")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=LAYOUTS)
-    args = parser.parse_args()
 
+
+def main(args: argparse.Namespace) -> None:
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench-redis-cost-"))
-    trees = [Tree("this", ROOT)]
     with contextlib.ExitStack() as resources:
-        if args.against:
-            trees.insert(0, Tree(args.against[:8], resources.enter_context(worktree(args.against))))
+        versions = trees(resources, args.against)
         bench = Bench(args.rate, args.seconds, work)
-        for round_number in range(1, args.rounds + 1):
-            print(f"round {round_number}/{args.rounds}", flush=True)
+        for round_index in range(args.rounds):
+            print(f"round {round_index + 1}/{args.rounds}", flush=True)
             for layout in args.layouts:
-                for tree in trees if round_number % 2 else trees[::-1]:
+                for tree in in_turn(versions, round_index):
                     bench.round(tree, layout)
     print(f"\n{describe_machine()}; {time.monotonic() - started:.0f} s\n")
-    print(table(bench, trees, args.layouts))
+    print(table(bench, versions, args.layouts))
     shutil.rmtree(work, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -26,7 +26,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.sampler import prompts_of_tokens
+from bench.sampler.models import prompts_of_tokens
 from workers.samplers.base import Completion, GenerationSettings, Row, RowSettings
 from workers.samplers.hf import HFSampler
 from workers.samplers.static_decode import StaticDecoder

@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark (python -m bench.compare --quick): every design, real processes.
+"""Smoke test of the benchmark (python -m bench compare --quick): every design, real processes.
 
 The benchmark's figures come from `make bench-compare`; this only proves its code works end
 to end at a scale CI affords: services start, the load generator's answers are checked,
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 def test_quick_benchmark_runs_every_design(tmp_path: Path, redis_url: str) -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "bench.compare", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench", "compare", "--quick", "--out", str(tmp_path)],
         cwd=ROOT,
         env={**os.environ, "REDIS_URL": redis_url},
         capture_output=True,

@@ -205,8 +205,8 @@ def test_packaged_smollm2_batch_matches_alone(smollm2: HFSampler) -> None:
 
 
 def test_model_benchmark_prints_its_table(tiny_model_dir: Path) -> None:
-    """python -m bench.sampler at tiny scale: it runs and prints one row per batch size."""
-    command = [sys.executable, "-m", "bench.sampler", "--model", str(tiny_model_dir)]
+    """python -m bench sampler at tiny scale: it runs and prints one row per batch size."""
+    command = [sys.executable, "-m", "bench", "sampler", "--model", str(tiny_model_dir)]
     command += ["--sizes", "1,3", "--repeats", "1", "--device", "cpu"]
     output = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True

@@ -16,8 +16,8 @@ import pytest
 from django.conf import settings
 
 from batching.policy import BOUNDS
-from bench.proxy import CONFIG_DIR, Nginx, nginx_binary
-from bench.slowloris import Front, measure_fronts
+from bench.harness.proxy import CONFIG_DIR, Nginx, nginx_binary
+from bench.slowloris.fronts import Front, measure_fronts
 from inference_site.lib.stack import Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
@@ -136,8 +136,9 @@ def test_slow_clients_cost_nginx_not_gunicorn(stack: Stack, nginx: Nginx) -> Non
     """3,000 slow connections: through nginx every /sample request is still answered within
     its deadline and gunicorn holds only the requests in flight; straight to gunicorn they take
     its 2,000 connections, and requests fail or wait far past their deadline. How much the p99
-    moves is a figure for bench.slowloris (medians of repeated runs, in the README), not for
-    one 10 s run on 2 shared cores, where the slow clients' own events compete for the CPU."""
+    moves is a figure for `python -m bench slowloris` (medians of repeated runs, in the README),
+    not for one 10 s run on 2 shared cores, where the slow clients' own events compete for the
+    CPU."""
     rows = measure_fronts(
         [Front("nginx", nginx.port), Front("gunicorn", stack.port)],
         slow=3000,

@@ -16,7 +16,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from batching.generation import RowSettings, render_chat_plain
 from batching.keys import ShardKeys
-from bench import loadgen
+from bench.harness import loadgen
 from inference_site.lib.embedded_redis import free_port
 from inference_site.lib.stack import Stack
 from tests.support.http import request
@@ -388,7 +388,7 @@ def test_an_unreachable_queue_raises_a_503_with_retry_after(
 
 
 def test_the_load_generator_speaks_the_completions_api(api: Stack, model: str) -> None:
-    """bench.openai_load's own client: JSON in, each answer's text checked, constant arrivals."""
+    """bench openai_load's own client: JSON in, each answer's text checked, constant arrivals."""
     protocol = loadgen.completions_protocol(model, 8)
     results = loadgen.run(
         "127.0.0.1", api.port, "/v1/completions", 40, 1.0, prompt=lambda i: f"load {i}",

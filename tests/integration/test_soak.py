@@ -1,4 +1,4 @@
-"""The soak of `make soak`, for 60 s (bench.soak): steady load at its default rate (70% of
+"""The soak of `make soak`, for 60 s (python -m bench soak): steady load at its default rate (70% of
 what the slowest machine we ran it on carries), Redis killed and started again, the worker
 stopped and started again; every request answered and none wrong, no process growing,
 Redis' keys flat."""

@@ -242,10 +242,10 @@ def table_rows(stdout: str) -> list[list[str]]:
 
 
 def test_the_model_benchmark_compares_eager_with_the_static_path(tiny_dir: Path) -> None:
-    """python -m bench.sampler --graphs both on a CPU: eager generate against the static
+    """python -m bench sampler --graphs both on a CPU: eager generate against the static
     cache's steps run eagerly, one table per number of new tokens, prompts spread over a
     range of tokens."""
-    command = [sys.executable, "-m", "bench.sampler", "--model", str(tiny_dir), "--device"]
+    command = [sys.executable, "-m", "bench", "sampler", "--model", str(tiny_dir), "--device"]
     command += ["cpu", "--sizes", "1,3", "--repeats", "1", "--graphs", "both"]
     command += ["--max-new-tokens", "4,8", "--prompt-tokens", "5-30"]
     output = subprocess.run(
@@ -269,7 +269,7 @@ def test_the_model_benchmark_compares_eager_with_the_static_path(tiny_dir: Path)
 
 
 def test_the_model_benchmark_builds_an_architecture_with_random_weights() -> None:
-    command = [sys.executable, "-m", "bench.sampler", "--arch", "smollm2-135m", "--device"]
+    command = [sys.executable, "-m", "bench", "sampler", "--arch", "smollm2-135m", "--device"]
     command += ["cpu", "--sizes", "1", "--repeats", "1", "--max-new-tokens", "2"]
     command += ["--prompt-tokens", "20-20"]
     output = subprocess.run(

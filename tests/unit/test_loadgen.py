@@ -7,7 +7,8 @@ import statistics
 
 import pytest
 
-from bench.loadgen import Results, percentile, poisson_schedule
+from bench.harness.loadgen import Results, poisson_schedule
+from bench.harness.stats import percentile
 
 
 def test_poisson_schedule_has_the_rate_and_memoryless_gaps() -> None:

@@ -1,10 +1,14 @@
-"""CPU time of a process tree from /proc: the benchmarks' front-end CPU per request."""
+"""What the processes under test spend: CPU of a process tree and its connections (from
+/proc), and a Redis server's CPU and commands (from INFO)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from pathlib import Path
+from typing import NamedTuple
+
+import redis
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -52,3 +56,23 @@ def accepted_connections(port: int) -> int:
                 if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:  # ESTABLISHED
                     established += 1
     return max(0, established - accept_queue(port))
+
+
+class RedisCpu(NamedTuple):
+    """A Redis server's CPU seconds (user + system) since it started."""
+
+    total_s: float  # the whole process, io threads included
+    main_thread_s: float  # its main thread (NaN where the server does not say)
+
+
+def redis_cpu(client: redis.Redis) -> RedisCpu:
+    info = client.info("cpu")
+    main = float(info.get("used_cpu_sys_main_thread", "nan")) + float(
+        info.get("used_cpu_user_main_thread", "nan")
+    )
+    return RedisCpu(float(info["used_cpu_sys"]) + float(info["used_cpu_user"]), main)
+
+
+def redis_commands(client: redis.Redis) -> int:
+    """Commands Redis has run since it started (INFO commandstats, those Lua runs included)."""
+    return sum(stat["calls"] for stat in client.info("commandstats").values())

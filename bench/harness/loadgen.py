@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from batching.outcomes import RequestOutcome
+from bench.harness.connections import Connections, exchange
+from bench.harness.stats import percentile
 
 # A request's outcome as the client sees it: the service's own (batching.outcomes) for the
 # answers it gives (200: ok, 504: timeout, 503: rejected), and two the client adds.
@@ -104,15 +106,6 @@ def _none(index: int) -> dict[str, str]:
     return {}
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n q / 100), at least the first
-    return ordered[int(min(rank, len(ordered))) - 1]
-
-
 def poisson_schedule(rate_rps: float, duration_s: float, seed: int) -> list[float]:
     """Intended send offsets (s) of a Poisson process of `rate_rps` over `duration_s`."""
     rng = random.Random(seed)
@@ -121,65 +114,6 @@ def poisson_schedule(rate_rps: float, duration_s: float, seed: int) -> list[floa
         offsets.append(at)
         at += rng.expovariate(rate_rps)
     return offsets
-
-
-# An idle keep-alive connection is reused only this fresh: gunicorn closes one after 2 s
-# (its keepalive), and a request written as the server closes it reads nothing back, a
-# failure of the client's, not the service's (seen at 2 req/s).
-REUSE_WITHIN_S = 1.0
-
-Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
-
-class _Connections:
-    """Idle keep-alive connections to one server, opened on demand."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.idle: list[tuple[Connection, float]] = []  # with the time it became idle
-
-    async def get(self) -> Connection:
-        now = time.monotonic()
-        while self.idle:
-            connection, since = self.idle.pop()
-            if now - since < REUSE_WITHIN_S:
-                return connection
-            connection[1].close()
-        return await asyncio.open_connection(self.host, self.port, limit=1 << 16)
-
-    def put(self, connection: Connection) -> None:
-        self.idle.append((connection, time.monotonic()))
-
-    def close(self) -> None:
-        for (_, writer), _since in self.idle:
-            writer.close()
-        self.idle.clear()
-
-
-async def _exchange(connections: _Connections, request: bytes) -> tuple[int, bytes]:
-    reader, writer = await connections.get()
-    try:
-        writer.write(request)
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.split(b"\r\n")
-        status = int(lines[0].split(b" ", 2)[1])
-        length, keep_alive = 0, True
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-length":
-                length = int(value)
-            elif name == b"connection" and value.strip().lower() == b"close":
-                keep_alive = False
-        body = await reader.readexactly(length) if length else b""
-    except BaseException:
-        writer.close()
-        raise
-    if keep_alive:
-        connections.put((reader, writer))
-    else:
-        writer.close()
-    return status, body
 
 
 async def _run(
@@ -209,7 +143,7 @@ async def _run(
     results.intended_s = list(offsets)
     # Request i goes to ports[i % len(ports)]: the load split evenly over several servers
     # (web nodes), as a round-robin balancer would.
-    pools = [_Connections(host, port) for port in ports]
+    pools = [Connections(host, port) for port in ports]
     loop = asyncio.get_running_loop()
 
     async def one(index: int, intended: float) -> None:
@@ -228,7 +162,7 @@ async def _run(
         results.send_lag_ms[index] = (loop.time() - intended) * 1000
         try:
             status, answer = await asyncio.wait_for(
-                _exchange(pools[index % len(pools)], request), timeout=client_timeout_s
+                exchange(pools[index % len(pools)], request), timeout=client_timeout_s
             )
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
             outcome, answer = OTHER, f"{type(exc).__name__}: {exc}".encode()

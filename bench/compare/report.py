@@ -1,10 +1,13 @@
-"""The benchmark's output: a markdown table, the raw rows as JSON, and three PNG plots."""
+"""The comparison's output: markdown tables, the raw rows as JSON, and three PNG plots
+(bench.compare)."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+
+from bench.harness.report import markdown_table
 
 PER_GPU_RPS = 1000
 DEADLINE_MS = 500
@@ -32,74 +35,69 @@ def _load(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| N | load | offered req/s | design | goodput req/s | of limit | p50 ms | p95 ms "
-        "| p99 ms | max ms | 504 | 503 | other | mean batch | GPU busy | web CPU ms/req "
-        "| Redis cmds/req |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        batch = "-" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}"
-        lines.append(
-            f"| {r['gpus']} | {_load(r)} | {r['offered_rps']:,.0f} | {r['design']} "
-            f"| {r['goodput_rps']:,.0f} | {_pct(r['goodput_share_of_limit'])} "
-            f"| {_ms(r['p50_ms'])} | {_ms(r['p95_ms'])} | {_ms(r['p99_ms'])} | {_ms(r['max_ms'])} "
-            f"| {_pct(r['share_504'])} | {_pct(r['share_503'])} | {_pct(r['share_other'])} "
-            f"| {batch} | {_pct(r['gpu_busy'])} | {r['web_cpu_ms']:.2f} "
-            f"| {r['redis_commands']:.1f} |"
-        )
-    return "\n".join(lines)
+    header = [
+        "N", "load", "offered req/s", "design", "goodput req/s", "of limit", "p50 ms", "p95 ms",
+        "p99 ms", "max ms", "504", "503", "other", "mean batch", "GPU busy", "web CPU ms/req",
+        "Redis cmds/req",
+    ]  # fmt: skip
+    cells = [
+        [
+            r["gpus"], _load(r), f"{r['offered_rps']:,.0f}", r["design"],
+            f"{r['goodput_rps']:,.0f}", _pct(r["goodput_share_of_limit"]), _ms(r["p50_ms"]),
+            _ms(r["p95_ms"]), _ms(r["p99_ms"]), _ms(r["max_ms"]), _pct(r["share_504"]),
+            _pct(r["share_503"]), _pct(r["share_other"]), _batch(r["mean_batch"]),
+            _pct(r["gpu_busy"]), f"{r['web_cpu_ms']:.2f}", f"{r['redis_commands']:.1f}",
+        ]
+        for r in rows
+    ]  # fmt: skip
+    return markdown_table(header, cells, align="rrrl" + "r" * 13)
+
+
+def _batch(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def validation_table(rows: list[dict]) -> str:
-    lines = [
-        "| N | load | measured goodput | simulated | diff | measured p99 ms | simulated | diff "
-        "| measured batch | simulated |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    header = [
+        "N", "load", "measured goodput", "simulated", "diff", "measured p99 ms", "simulated",
+        "diff", "measured batch", "simulated",
+    ]  # fmt: skip
+    cells = []
     for r in rows:
         if r["design"] != "ours" or "sim_goodput_rps" not in r:
             continue
         good_diff = (r["goodput_rps"] - r["sim_goodput_rps"]) / r["sim_goodput_rps"]
         p99_diff = (r["p99_ms"] - r["sim_p99_ms"]) / r["sim_p99_ms"]
-        batch = "-" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}"
-        lines.append(
-            f"| {r['gpus']} | {_load(r)} | {r['goodput_rps']:,.0f} | {r['sim_goodput_rps']:,.0f} "
-            f"| {good_diff:+.0%} | {r['p99_ms']:,.0f} | {r['sim_p99_ms']:,.0f} | {p99_diff:+.0%} "
-            f"| {batch} | {r['sim_mean_batch']:.1f} |"
-        )
-    return "\n".join(lines)
+        cells.append([
+            r["gpus"], _load(r), f"{r['goodput_rps']:,.0f}", f"{r['sim_goodput_rps']:,.0f}",
+            f"{good_diff:+.0%}", f"{r['p99_ms']:,.0f}", f"{r['sim_p99_ms']:,.0f}",
+            f"{p99_diff:+.0%}", _batch(r["mean_batch"]), f"{r['sim_mean_batch']:.1f}",
+        ])  # fmt: skip
+    return markdown_table(header, cells, align="r" * len(header))
+
+
+def _ratio(ours: float, theirs: float | None) -> str:
+    if theirs is None:
+        return "-"
+    return "none served" if theirs == 0 else f"{ours / theirs:.1f}x"
 
 
 def ratios(rows: list[dict]) -> str:
     """Our goodput over each alternative's at the same offered load."""
     ours = {(r["gpus"], r["offered_rps"]): r["goodput_rps"] for r in rows if r["design"] == "ours"}
     others = sorted({r["design"] for r in rows} - {"ours", "bare view"})
-    lines = [
-        "| N | load | " + " | ".join(f"ours / {name}" for name in others) + " |",
-        "|---:|---:|" + "---:|" * len(others),
-    ]
+    goodput = {(r["design"], r["gpus"], r["offered_rps"]): r["goodput_rps"] for r in rows}
+    cells = []
     seen = []
     for r in rows:
         key = (r["gpus"], r["offered_rps"])
         if r["design"] != "ours" or key in seen:
             continue
         seen.append(key)
-        cells = []
-        for name in others:
-            theirs = next(
-                (x["goodput_rps"] for x in rows if x["design"] == name and
-                 (x["gpus"], x["offered_rps"]) == key),
-                None,
-            )  # fmt: skip
-            if theirs is None:
-                cells.append("-")
-            elif theirs == 0:
-                cells.append("none served")
-            else:
-                cells.append(f"{ours[key] / theirs:.1f}x")
-        lines.append(f"| {r['gpus']} | {_load(r)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        theirs = [_ratio(ours[key], goodput.get((name, *key))) for name in others]
+        cells.append([r["gpus"], _load(r), *theirs])
+    header = ["N", "load", *(f"ours / {name}" for name in others)]
+    return markdown_table(header, cells, align="r" * len(header))
 
 
 def plots(rows: list[dict], out: Path) -> list[str]:
@@ -165,7 +163,7 @@ def write_report(
     images = plots(rows, out)
     text = f"""# Benchmark: our batching against the alternatives
 
-Written by `make bench-compare` (`python -m bench.compare`) in {elapsed_s / 60:.1f} minutes on
+Written by `make bench-compare` (`python -m bench compare`) in {elapsed_s / 60:.1f} minutes on
 {machine}. Each level offers Poisson arrivals for {duration_s:g} s; every service (gunicorn
 with 2 gevent processes, N Celery workers with the simulated sampler at 100 ms per call,
 one Redis) and the load generator share the machine's cores. The limit is N x 1,000 req/s

@@ -1,0 +1,42 @@
+"""The statistics every benchmark reports: one percentile (nearest-rank) and medians of rounds."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """Nearest-rank percentile: the smallest value with at least q% of the values at or
+    below it; NaN for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n q / 100), at least the first
+    return ordered[int(min(rank, len(ordered))) - 1]
+
+
+def median(values: Iterable[float]) -> float:
+    """The median; NaN for no values."""
+    listed = list(values)
+    return statistics.median(listed) if listed else float("nan")
+
+
+def _numbers(values: Sequence[object]) -> bool:
+    return all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+
+
+def median_of_rounds(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One row from the rounds' rows: each number the median of its rounds, each list of
+    numbers the median element by element, anything else the first round's."""
+    row: dict[str, Any] = {}
+    for name, first in runs[0].items():
+        values = [run[name] for run in runs]
+        if _numbers(values):
+            row[name] = statistics.median(values)
+        elif isinstance(first, list) and all(isinstance(v, list) and _numbers(v) for v in values):
+            row[name] = [statistics.median(column) for column in zip(*values, strict=True)]
+        else:
+            row[name] = first
+    return row

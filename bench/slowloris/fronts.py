@@ -1,0 +1,91 @@
+"""/sample measured through each front (nginx, gunicorn), without and with slow clients held
+against it (bench.slowloris)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from batching.outcomes import RequestOutcome
+from bench.harness import loadgen
+from bench.harness.procstat import accepted_connections
+from bench.harness.stack import Stack, new_queue, simulated_env, simulated_stack
+from bench.slowloris.slow_clients import SlowClients
+from workers.samplers.simulated import expected_completion
+
+CALL_MS = 100
+RATE_RPS = 100
+CLIENT_TIMEOUT_S = 3.0
+
+
+def measure(port: int, seconds: float, rate_rps: float = RATE_RPS) -> dict[str, float]:
+    tag = uuid.uuid4().hex[:6]
+    results = loadgen.run(
+        "127.0.0.1", port, "/sample", rate_rps, seconds,
+        lambda index: f"slowloris {tag} {index}", expected_completion,
+        client_timeout_s=CLIENT_TIMEOUT_S, seed=random.randrange(1 << 30),
+    )  # fmt: skip
+    return {
+        "sent": results.sent,
+        "ok": results.share(RequestOutcome.OK),
+        "wrong": results.count(loadgen.WRONG),
+        "p50": results.percentile_ms(50),
+        "p99": results.percentile_ms(99),
+    }
+
+
+@dataclass
+class Front:
+    name: str
+    port: int
+
+
+@contextlib.contextmanager
+def most_accepted(port: int, every_s: float = 0.5) -> Iterator[list[int]]:
+    """The most connections the server on `port` held accepted at once while the block ran."""
+    most, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(every_s):
+            most[0] = max(most[0], accepted_connections(port))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield most
+    finally:
+        done.set()
+        sampler.join()
+
+
+def measure_fronts(
+    fronts: list[Front], slow: int, seconds: float, gunicorn_port: int,
+    rate_rps: float = RATE_RPS,
+) -> list[dict[str, object]]:  # fmt: skip
+    """Each front without, then with, `slow` slow connections held against it; with them, the
+    most connections gunicorn held accepted (of its WEB_WORKER_CONNECTIONS)."""
+    rows: list[dict[str, object]] = []
+    for front in fronts:
+        rows.append({"front": front.name, "slow": 0, **measure(front.port, seconds, rate_rps)})
+        clients = SlowClients("127.0.0.1", front.port, slow)
+        with clients.held(), most_accepted(gunicorn_port) as gunicorn_held:
+            figures = measure(front.port, seconds, rate_rps)
+        rows.append({"front": front.name, "slow": slow, "held": clients.opened,
+                     "gunicorn connections": gunicorn_held[0], **figures})  # fmt: skip
+        time.sleep(2.0)  # the slow connections' sockets closed before the next front
+    return rows
+
+
+def slowloris_stack(redis_url: str) -> Stack:
+    queue = new_queue("bench-slowloris")
+    env = simulated_env(redis_url, queue, call_ms=CALL_MS, max_batch=100, deadline_ms=500)
+    # gunicorn's own defaults for one process: 2,000 connections.
+    log_dir = Path(tempfile.mkdtemp(prefix=f"{queue}-"))
+    return simulated_stack(env, [0], web_processes=1, log_dir=log_dir)
