@@ -1,6 +1,6 @@
 """The fixed costs around a GPU call that the capacity planner simulates with, as measured.
 
-`python -m bench.gap --write-costs` (bench/gap.py) measures them on real processes and writes
+`python -m bench gap --write-costs` (bench/gap/) measures them on real processes and writes
 planning/costs.json, with the date, machine and command of the measurement:
   gap_ms       a worker's time from the end of one call to the start of the next, with work
                queued: its median under open-loop load above saturation;
@@ -63,7 +63,7 @@ SHARD_CEILING_FILE = Path(__file__).with_name("shard_ceiling.json")
 @dataclass(frozen=True)
 class ShardCeiling(Provenance):
     """The requests/s one shard of the request path (one Redis process) carries while the
-    request's round trip stays under 5 ms at p99: `python -m bench.shard_ceiling --write`."""
+    request's round trip stays under 5 ms at p99: `python -m bench shard_ceiling --write`."""
 
     shard_rps: float
 
@@ -73,6 +73,6 @@ class ShardCeiling(Provenance):
         return cls(shard_rps=float(raw["shard_rps"]), **cls.read(raw))
 
 
-# None until `python -m bench.shard_ceiling --write` has run: the planner then asks for
+# None until `python -m bench shard_ceiling --write` has run: the planner then asks for
 # --redis-shard-rps.
 MEASURED_SHARD = ShardCeiling.load() if SHARD_CEILING_FILE.exists() else None
