@@ -1,4 +1,4 @@
-"""The designs a Celery user would pick instead of ours, for the benchmark (bench/compare.py).
+"""The designs a Celery user would pick instead of ours, for `python -m bench compare`.
 
 Small, honest implementations on the same simulated sampler, the same Redis, the same Celery
 workers (one per simulated GPU, solo pool) and the same gunicorn as the product; not part of

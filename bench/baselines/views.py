@@ -148,7 +148,7 @@ def timer(request: HttpRequest) -> HttpResponse:
 def plain_set(request: HttpRequest) -> HttpResponse:
     """One plain SET round trip to the request path's Redis per request, through the same
     gunicorn, client pool and load as /sample: what one SET costs that Redis when it comes the
-    way requests come (bench/redis_cost.py compares /sample with it)."""
+    way requests come (python -m bench redis_cost compares /sample with it)."""
     prompt = _prompt(request)
     if isinstance(prompt, HttpResponse):
         return prompt

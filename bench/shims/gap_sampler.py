@@ -1,6 +1,6 @@
-"""The simulated sampler, logging when each call starts and ends (bench/gap.py).
+"""The simulated sampler, logging when each call starts and ends (python -m bench gap).
 
-A top-level module on purpose: bench/gap.py puts this folder on a worker's PYTHONPATH and
+A top-level module on purpose: bench/gap/runs.py puts this folder on a worker's PYTHONPATH and
 loads it with SAMPLER=gap_sampler:TimedSampler, in this tree and in an older checkout alike,
 so that one probe measures both versions of the worker.
 """
