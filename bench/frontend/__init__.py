@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from gevent import monkey
+
 from bench.frontend.against import compare
 from bench.frontend.parts import (
     Rows,
@@ -47,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    if not monkey.is_module_patched("socket"):
+        raise SystemExit("the front-end benchmark runs on gevent: python -m bench frontend")
     rounds = 1 if args.quick else args.rounds
     cpu_requests = 100 if args.quick else 1000
     sequential = 10 if args.quick else 100
