@@ -203,7 +203,9 @@ class SamplingWorker:
         self.leave("unhealthy", EXIT_UNHEALTHY_GPU)
 
     def _stop_loops(self) -> None:
-        self.heartbeat.stop()
+        # A heartbeat in flight finishes first: it would count the worker again after its
+        # goodbye.
+        self.heartbeat.stop(timeout_s=0.5)
         self.handover.stop()
 
     def scan_handovers(self) -> None:
