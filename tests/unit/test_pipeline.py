@@ -42,7 +42,7 @@ class TimedSampler(Sampler):
         started = time.monotonic()
         self.calls.append((list(prompts), started, None))
         if "hang" in prompts:
-            self.release.wait()
+            self.release.wait()  # duration: a hung call, until the test releases it
         time.sleep(self.call_s)  # duration: the call's
         self.calls[-1] = (list(prompts), started, time.monotonic())
         return [prompt.upper() for prompt in prompts]
