@@ -108,13 +108,6 @@ def _aggregator() -> BatchAggregator:
     )
 
 
-def _watcher(aggregator: BatchAggregator) -> PolicyWatcher:
-    # Started before the model loads, so the warm-up already runs with the published policy.
-    return PolicyWatcher(
-        aggregator.client, aggregator.queue, policy_from_settings(settings)
-    ).start()
-
-
 class SamplingWorker:
     """One sampling worker process's life: its runner and batch pipeline, its heartbeat and
     hand-over loops, its warm stop and its exit. `start` once the sampler is loaded; `stop`
