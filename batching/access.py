@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -27,6 +26,7 @@ from enum import StrEnum
 import redis
 
 from batching.keys import AccessKeys
+from batching.loop import PeriodicLoop
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,6 @@ class AccessWatcher:
     ) -> None:
         self.client = client
         self.keys = keys
-        self.interval_s = interval_s
         self.loaded = False  # False until the records were read once
         self._version: bytes | None = None
         self._keys: dict[str, KeyRecord] = {}
@@ -164,8 +163,15 @@ class AccessWatcher:
         # Some key or tier limits completion tokens: the token charges are read each poll.
         self.limits_tokens = False
         self._after_poll: list[Callable[[], None]] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.loop = PeriodicLoop("access-watcher", self._poll, interval_s, "read the API keys")
+
+    @property
+    def interval_s(self) -> float:
+        return self.loop.interval_s
+
+    @interval_s.setter
+    def interval_s(self, value: float) -> None:
+        self.loop.interval_s = value
 
     @property
     def anonymous(self) -> Caller:
@@ -236,37 +242,23 @@ class AccessWatcher:
                 self.client.hset(
                     self.keys.last_used, mapping={str(k): int(v) for k, v in seen.items()}
                 )
-            except redis.RedisError:
-                for key_id, at in seen.items():  # kept for the next try
+            except Exception:  # Redis away, whatever the client raises: kept for the next try
+                for key_id, at in seen.items():
                     self._seen[key_id] = max(at, self._seen.get(key_id, 0.0))
                 raise
 
     def start(self) -> AccessWatcher:
-        try:
-            self.refresh()
-        except redis.RedisError as exc:
-            log.warning("cannot read the API keys yet: %s", exc)
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="access-watcher", daemon=True)
-            self._thread.start()
+        self.loop.run_once()  # a failure is logged, and the loop tries again
+        self.loop.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
+        self.loop.stop()
 
-    def _run(self) -> None:
-        failing = False
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.refresh()
-                for job in self._after_poll:
-                    job()
-                failing = False
-            except redis.RedisError as exc:
-                if not failing:
-                    log.warning("cannot read the API keys: %s", exc)
-                failing = True
+    def _poll(self) -> None:
+        self.refresh()
+        for job in self._after_poll:
+            job()
 
 
 def last_used(client: redis.Redis, keys: AccessKeys = KEYS) -> dict[int, float]:

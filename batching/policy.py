@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 import redis
 
 from batching.keys import QueueKeys
+from batching.loop import PeriodicLoop
 
 log = logging.getLogger(__name__)
 
@@ -203,12 +203,20 @@ class PolicyWatcher:
         self.queue = queue
         self.key = QueueKeys(queue).policy
         self.defaults = defaults
-        self.interval_s = interval_s
         self.current = defaults
         self._raw: bytes | None = None
         self._listeners: list[Callable[[Policy], None]] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.loop = PeriodicLoop(
+            "policy-watcher", self.refresh, interval_s, f"read the policy of {queue}"
+        )
+
+    @property
+    def interval_s(self) -> float:
+        return self.loop.interval_s
+
+    @interval_s.setter
+    def interval_s(self, value: float) -> None:
+        self.loop.interval_s = value
 
     def on_change(self, listener: Callable[[Policy], None]) -> None:
         """Call `listener(policy)` now and whenever the policy changes (from the poller)."""
@@ -251,27 +259,9 @@ class PolicyWatcher:
     def start(self) -> PolicyWatcher:
         """Read the policy now (the first request or batch must not see the defaults for one
         interval), then poll it in a daemon thread."""
-        try:
-            self.refresh()
-        except redis.RedisError as exc:
-            log.warning("cannot read the policy of %s yet: %s", self.queue, exc)
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="policy-watcher", daemon=True)
-            self._thread.start()
+        self.loop.run_once()  # a failure is logged, and the loop tries again
+        self.loop.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        failing = False
-        while not self._stop.is_set():
-            try:
-                self.refresh()
-                failing = False
-            except redis.RedisError as exc:
-                if not failing:  # once per outage, not twice a second
-                    log.warning("cannot read the policy of %s: %s", self.queue, exc)
-                failing = True
-            self._stop.wait(self.interval_s)
+        self.loop.stop()

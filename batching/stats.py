@@ -202,7 +202,7 @@ class RequestStats:
                 for second, counts in pending.items():
                     add_counts(pipe, self.queue, second, counts)
                 pipe.execute()
-        except redis.RedisError:
+        except Exception:  # Redis away (RedisClusterException is no RedisError): kept
             with self._lock:
                 for second, counts in pending.items():
                     self._pending[second].update(counts)

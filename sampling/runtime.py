@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +20,7 @@ from django.conf import settings
 from batching import topology
 from batching.access import AccessWatcher
 from batching.aggregator import BatchAggregator
+from batching.loop import PeriodicLoop
 from batching.policy import Policy, PolicyWatcher, policy_from_settings
 from batching.ratelimit import RateLimiter
 from batching.stats import RequestStats
@@ -77,9 +76,9 @@ def redis_client() -> redis.Redis:
 @dataclass
 class WebProcess:
     """What the request path of this process uses: the aggregator, the live policy, the API
-    keys and the statistics buffer, kept up to date by three background threads (greenlets
-    under gevent): the policy and key watchers, and a loop that flushes statistics (and the
-    keys' last use) and runs the background jobs."""
+    keys and the statistics buffer, kept up to date by four periodic loops (greenlets under
+    gevent): the policy and key watchers, the flush of statistics (and the keys' last use),
+    and the background jobs."""
 
     client: redis.Redis
     aggregator: BatchAggregator
@@ -89,36 +88,40 @@ class WebProcess:
     limiter: RateLimiter
     shedder: Shedder
 
+    def __post_init__(self) -> None:
+        self.flush_loop = PeriodicLoop(
+            "stats-flush", self._flush, STATS_FLUSH_INTERVAL_S, "flush the statistics"
+        )
+        # Jitter, not a secret: the processes of a node spread their jobs over the interval.
+        first_jobs_s = BACKGROUND_JOB_INTERVAL_S * random.random()  # noqa: S311
+        self.jobs_loop = PeriodicLoop(
+            "background-jobs", self._run_jobs, BACKGROUND_JOB_INTERVAL_S, first_wait_s=first_jobs_s
+        )
+
     def start(self) -> None:
         self.watcher.start()
         self.access.after_poll(self._refresh_token_charges)
         self.access.start()
-        threading.Thread(target=self._background, name="stats-flush", daemon=True).start()
+        self.flush_loop.start()
+        self.jobs_loop.start()
 
     def _refresh_token_charges(self) -> None:
         if self.access.limits_tokens:
             self.limiter.refresh_tokens()
 
-    def _background(self) -> None:
-        # Jitter, not a secret: the processes of a node spread their jobs over the interval.
-        next_jobs = time.monotonic() + BACKGROUND_JOB_INTERVAL_S * random.random()  # noqa: S311
-        while True:
-            time.sleep(STATS_FLUSH_INTERVAL_S)
+    def _flush(self) -> None:
+        """The statistics and the keys' last use (both kept for the next try on a failure)."""
+        try:
+            self.stats.flush(self.client)
+        finally:
+            self.access.flush_last_used()
+
+    def _run_jobs(self) -> None:
+        for job in _background_jobs:
             try:
-                self.stats.flush(self.client)
-            except redis.RedisError as exc:
-                log.warning("statistics not flushed (kept for the next try): %s", exc)
-            try:
-                self.access.flush_last_used()
-            except redis.RedisError as exc:
-                log.warning("keys' last use not flushed (kept for the next try): %s", exc)
-            if time.monotonic() >= next_jobs:
-                next_jobs = time.monotonic() + BACKGROUND_JOB_INTERVAL_S
-                for job in _background_jobs:
-                    try:
-                        job(self.client, self.aggregator.queue, self.watcher.current)
-                    except Exception:  # a failing job must not stop the statistics' flush
-                        log.exception("background job %s failed", job.__qualname__)
+                job(self.client, self.aggregator.queue, self.watcher.current)
+            except Exception:  # a failing job must not keep the others from running
+                log.exception("background job %s failed", job.__qualname__)
 
 
 def web_process() -> WebProcess:

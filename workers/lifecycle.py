@@ -29,6 +29,7 @@ from batching.aggregator import (
     AdmissionInputs,
     BatchAggregator,
 )
+from batching.loop import PeriodicLoop
 from batching.policy import PolicyWatcher, policy_from_settings
 from batching.protocol import RUN_BATCH_TASK, UNKNOWN_LANE, task_priority
 from batching.results import queue_result
@@ -49,20 +50,18 @@ EXIT_HUNG_CALL = 70
 # warm-up call shows whether the GPU is back.
 EXIT_UNHEALTHY_GPU = 69
 
-_pipeline: BatchPipeline | None = None
-_stop = threading.Event()
-_hung = threading.Event()
+# The worker of this process, once its sampler is loaded (Celery's signals find it here).
+_worker: SamplingWorker | None = None
 
 
 def current_pipeline(queue: str) -> BatchPipeline:
-    if _pipeline is None:
+    if _worker is None:
         raise RuntimeError("this process is not a sampling worker: no sampler was loaded")
-    if queue != _pipeline.runner.aggregator.queue:
+    if queue != _worker.aggregator.queue:
         raise RuntimeError(
-            f"batch of queue {queue!r} reached a worker of queue "
-            f"{_pipeline.runner.aggregator.queue!r}"
+            f"batch of queue {queue!r} reached a worker of queue {_worker.aggregator.queue!r}"
         )
-    return _pipeline
+    return _worker.pipeline
 
 
 def queue_answers(
@@ -109,46 +108,180 @@ def _aggregator() -> BatchAggregator:
     )
 
 
-def _watcher(aggregator: BatchAggregator) -> PolicyWatcher:
-    # Started before the model loads, so the warm-up already runs with the published policy.
-    return PolicyWatcher(
-        aggregator.client, aggregator.queue, policy_from_settings(settings)
-    ).start()
+class SamplingWorker:
+    """One sampling worker process's life: its runner and batch pipeline, its heartbeat and
+    hand-over loops, its warm stop and its exit. `start` once the sampler is loaded; `stop`
+    for a warm shutdown; `leave` when the pipeline gave up on the GPU (a hung call, failing
+    calls): goodbye in Redis, then the process exits (`exit_process`) for its supervisor to
+    start a fresh one."""
 
+    def __init__(
+        self,
+        runner: BatchRunner,
+        resend: Callable[[str], None],
+        call_timeout_ms: float | None = None,
+        exit_process: Callable[[int], object] = os._exit,
+    ) -> None:
+        self.runner = runner
+        self.aggregator = runner.aggregator
+        self.resend = resend
+        self.exit_process = exit_process
+        self.pipeline = BatchPipeline(
+            runner,
+            queue_answers=lambda pipe, batch_id, answers: queue_answers(
+                pipe, batch_id, answers, self.aggregator.ttl_s
+            ),
+            store_failure=store_failure,
+            resend=resend,
+            on_hung=lambda batch_id, ran_ms: self.leave("hung", EXIT_HUNG_CALL),
+            on_unhealthy=self._leave_unhealthy,
+            call_timeout_ms=call_timeout_ms,
+        )
+        self.heartbeat = PeriodicLoop(
+            "heartbeat", self.beat, HEARTBEAT_INTERVAL_S, "send the heartbeat", first_wait_s=0
+        )
+        self.handover = PeriodicLoop(
+            "handover", self.scan_handovers, HANDOVER_SCAN_MS / 1000, "scan for hand-overs"
+        )
+        self.leaving = threading.Event()  # set once: the process exits, no warm stop
 
-@signals.worker_process_init.connect
-def load_runner(sender: object = None, **kwargs: object) -> None:
-    """Fired in the process that runs tasks (the solo pool's main process): load once."""
-    global _pipeline
-    started = time.perf_counter()
-    worker = str(sender or f"worker@{socket.gethostname()}")
-    try:
+    @classmethod
+    def load(cls, worker: str) -> SamplingWorker:
+        """The worker of this process as the settings describe it, its sampler loaded and
+        warmed up. The policy watcher starts before the model loads, so that the warm-up
+        already runs with the published policy."""
         aggregator = _aggregator()
-        watcher = _watcher(aggregator)
+        watcher = PolicyWatcher(
+            aggregator.client, aggregator.queue, policy_from_settings(settings)
+        ).start()
         sampler = load_sampler()
         runner = BatchRunner(aggregator, sampler, worker, policy=lambda: watcher.current)
         runner.unhealthy_after = settings.SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS or (
             runner.unhealthy_after
         )
         runner.warm_up()
-        resend = _resender(aggregator)
-        _pipeline = BatchPipeline(
-            runner,
-            queue_answers=lambda pipe, batch_id, answers: queue_answers(
-                pipe, batch_id, answers, aggregator.ttl_s
-            ),
-            store_failure=store_failure,
-            resend=resend,
-            on_hung=_leave_hung,
-            on_unhealthy=_leave_unhealthy,
-            call_timeout_ms=settings.SAMPLING_CALL_TIMEOUT_MS or None,
-        ).start()
+        return cls(runner, _resender(aggregator), settings.SAMPLING_CALL_TIMEOUT_MS or None)
+
+    def start(self) -> SamplingWorker:
+        self.pipeline.start()
+        self.heartbeat.start()
+        self.handover.start()
+        return self
+
+    def stop(self) -> None:
+        """A warm shutdown: the running call ends and its answers are published, then
+        goodbye."""
+        if self.leaving.is_set():
+            return
+        self.pipeline.close(timeout_s=self.pipeline.call_timeout_ms() / 1000 + 1)
+        self._stop_loops()
+        say_goodbye(self.runner)
+
+    def leave(self, state: str, status: int) -> None:
+        """Stop counting as a worker at once (admission, /readyz), say why, and exit with
+        `status`: a hung call cannot be interrupted in place."""
+        self.leaving.set()
+        self._stop_loops()
+        say_goodbye(self.runner, state=state)
+        self.pipeline.drain_reports(timeout_s=1.0)  # the last batches' records, if any are left
+        log.critical("worker exits with status %d for its supervisor to restart it", status)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.exit_process(status)
+
+    def _leave_unhealthy(self, reason: str) -> None:
+        log.critical("worker leaves: not a healthy GPU: %s", reason)
+        self.leave("unhealthy", EXIT_UNHEALTHY_GPU)
+
+    def _stop_loops(self) -> None:
+        # A heartbeat in flight finishes first: it would count the worker again after its
+        # goodbye.
+        self.heartbeat.stop(timeout_s=0.5)
+        self.handover.stop()
+
+    def scan_handovers(self) -> None:
+        """Send again the task of any batch due for a hand-over (a dispatcher or a worker
+        died before the send or the seal) on a shard this worker has not sealed lately: a
+        seal takes a shard's hand-overs itself, so under load this costs nothing. Every shard
+        is scanned; the first failure is raised after."""
+        scan_s = self.handover.interval_s
+        failure: Exception | None = None
+        now = time.monotonic()
+        for index, keys in enumerate(self.aggregator.shards):
+            # Sealed lately (by this worker; the others' seals take hand-overs too): a shard
+            # with traffic needs no scan. Three periods, as a worker's own seals come about
+            # one call apart.
+            if now - self.runner.sealed_at.get(keys.tag, float("-inf")) < 3 * scan_s:
+                continue
+            try:
+                for batch_id in self.aggregator.take_due_handovers(index):
+                    log.warning(
+                        "batch %s was due for a hand-over: sending its task again", batch_id
+                    )
+                    self.resend(batch_id)
+            except Exception as exc:  # noqa: BLE001 - Redis or the broker away: next shard
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def beat(self) -> None:
+        """Liveness (for admission and /readyz), the worker's row of the stats page, its
+        alive-seconds (for busy %), its Prometheus metrics, and every shard's admission
+        figures: two round trips, and one per shard."""
+        runner, aggregator = self.runner, self.aggregator
+        now = time.time()
+        runner.live_workers = max(1, aggregator.heartbeat(runner.worker))
+        with aggregator.client.pipeline(transaction=False) as pipe:
+            pipe.set(
+                aggregator.keys.worker_info(runner.worker),
+                json.dumps(worker_info(runner, now)),
+                px=WORKER_INFO_TTL_MS,
+            )
+            stats.add_counts(pipe, aggregator.queue, now, stats.alive_counts(runner.worker))
+            runner.metrics.publish(pipe, aggregator.queue, now)
+            aggregator.queue_turn_ms(pipe, runner.turn_ms)
+            pipe.execute()
+        aggregator.refresh_admission(AdmissionInputs(runner.live_workers, runner.turn_ms))
+
+
+def worker_info(runner: BatchRunner, now: float) -> dict[str, object]:
+    """The worker's row of the stats page."""
+    policy = runner.policy()
+    return {
+        "worker": runner.worker,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "sampler": runner.sampler.name,
+        "batches": runner.batches,
+        "busy_s": round(runner.busy_s, 3),
+        "estimate_ms": round(runner.estimate_ms, 2),
+        "policy_version": policy.version,
+        "max_batch_size": policy.max_batch_size,
+        "max_new_tokens": runner.sampler.generation.max_new_tokens,
+        "state": "busy" if runner.busy_since is not None else "idle",
+        "heartbeat_at": now,
+    }
+
+
+@signals.worker_process_init.connect
+def load_runner(sender: object = None, **kwargs: object) -> None:
+    """Fired in the process that runs tasks (the solo pool's main process): load once, then
+    start the pipeline and the loops there, whatever the pool (solo: the worker itself;
+    prefork: the child)."""
+    global _worker
+    started = time.perf_counter()
+    name = str(sender or f"worker@{socket.gethostname()}")
+    try:
+        worker = SamplingWorker.load(name)
     except Exception as exc:  # whatever failed, the worker is useless without its sampler
         # Celery logs and swallows a signal handler's exception: the worker would go on
         # consuming batches it cannot run, failing them. Leave instead (SystemExit is not an
         # Exception, so it stops the worker's start).
         log.critical(
-            "worker %s: the sampler could not be loaded, exiting: %s", worker, exc, exc_info=True
+            "worker %s: the sampler could not be loaded, exiting: %s", name, exc, exc_info=True
         )
         raise SystemExit(1) from exc
     # A loaded model leaves its long-lived Python objects to the cyclic collector (SmolLM2's
@@ -158,123 +291,20 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
     gc.freeze()
     log.info(
         "worker %s: sampler %s loaded for queue %s in %.1f s (CUDA_VISIBLE_DEVICES=%s)",
-        worker,
-        sampler.name,
+        name,
+        worker.runner.sampler.name,
         settings.SAMPLING_QUEUE,
         time.perf_counter() - started,
         os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
     )
-    # Started here rather than on worker_ready so that it runs in the process holding the
-    # sampler whatever the pool (solo: the worker itself; prefork: the child).
-    _stop.clear()
-    threading.Thread(target=_heartbeat_loop, args=(runner,), name="heartbeat", daemon=True).start()
-    threading.Thread(
-        target=_handover_loop,
-        args=(runner, resend),
-        name="handover",
-        daemon=True,
-    ).start()
-
-
-def _handover_loop(runner: BatchRunner, resend: Callable[[str], None]) -> None:
-    """Send again the task of any batch due for a hand-over (a dispatcher or a worker died
-    before the send or the seal) on a shard this worker has not sealed lately: a seal takes a
-    shard's hand-overs itself, so under load this costs nothing."""
-    aggregator = runner.aggregator
-    scan_s = HANDOVER_SCAN_MS / 1000
-    while not _stop.wait(scan_s):
-        now = time.monotonic()
-        for index, keys in enumerate(aggregator.shards):
-            # Sealed lately (by this worker; the others' seals take hand-overs too): a shard
-            # with traffic needs no scan. Three periods, as a worker's own seals come about
-            # one call apart.
-            if now - runner.sealed_at.get(keys.tag, float("-inf")) < 3 * scan_s:
-                continue
-            try:
-                for batch_id in aggregator.take_due_handovers(index):
-                    log.warning(
-                        "batch %s was due for a hand-over: sending its task again", batch_id
-                    )
-                    resend(batch_id)
-            except Exception as exc:  # noqa: BLE001 - Redis or the broker away: the next scan
-                log.warning("hand-over scan of %s failed: %s", keys.tag, exc)
-
-
-def _heartbeat_loop(runner: BatchRunner) -> None:
-    """Once a second: liveness (for admission and /readyz), the worker's row of the stats
-    page, its alive-seconds (for busy %), its Prometheus metrics, and every shard's admission
-    figures: two round trips, and one per shard."""
-    aggregator = runner.aggregator
-    info_key = aggregator.keys.worker_info(runner.worker)
-    while not _stop.is_set():
-        busy_since = runner.busy_since
-        now = time.time()
-        try:
-            runner.live_workers = max(1, aggregator.heartbeat(runner.worker))
-            policy = runner.policy()
-            info = {
-                "worker": runner.worker,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                "sampler": runner.sampler.name,
-                "batches": runner.batches,
-                "busy_s": round(runner.busy_s, 3),
-                "estimate_ms": round(runner.estimate_ms, 2),
-                "policy_version": policy.version,
-                "max_batch_size": policy.max_batch_size,
-                "max_new_tokens": runner.sampler.generation.max_new_tokens,
-                "state": "busy" if busy_since is not None else "idle",
-                "heartbeat_at": now,
-            }
-            with aggregator.client.pipeline(transaction=False) as pipe:
-                pipe.set(info_key, json.dumps(info), px=WORKER_INFO_TTL_MS)
-                stats.add_counts(pipe, aggregator.queue, now, stats.alive_counts(runner.worker))
-                runner.metrics.publish(pipe, aggregator.queue, now)
-                aggregator.queue_turn_ms(pipe, runner.turn_ms)
-                pipe.execute()
-            aggregator.refresh_admission(AdmissionInputs(runner.live_workers, runner.turn_ms))
-        except redis.RedisError as exc:
-            log.warning("heartbeat failed: %s", exc)
-        _stop.wait(HEARTBEAT_INTERVAL_S)
+    _worker = worker.start()
 
 
 @signals.worker_shutdown.connect
 @signals.worker_process_shutdown.connect
 def stop_worker(sender: object = None, **kwargs: object) -> None:
-    """A warm shutdown: the running call ends and its answers are published, then goodbye."""
-    if _pipeline is None or _hung.is_set():
-        return
-    _pipeline.close(timeout_s=_pipeline.call_timeout_ms() / 1000 + 1)
-    _stop.set()
-    say_goodbye(_pipeline.runner)
-
-
-def _leave_hung(batch_id: str, ran_ms: float) -> None:
-    """The pipeline cut off a hung call and answered its batch: stop counting as a worker at
-    once (admission, /readyz) and exit; the call cannot be interrupted in place."""
-    _leave("hung", EXIT_HUNG_CALL)
-
-
-def _leave_unhealthy(reason: str) -> None:
-    """The sampler failed its last calls (the pipeline answered their batches): leave
-    admission at once, say why, and exit."""
-    log.critical("worker leaves: not a healthy GPU: %s", reason)
-    _leave("unhealthy", EXIT_UNHEALTHY_GPU)
-
-
-def _leave(state: str, status: int) -> None:
-    _hung.set()
-    _stop.set()
-    if _pipeline is not None:
-        say_goodbye(_pipeline.runner, state=state)
-        _pipeline.drain_reports(timeout_s=1.0)  # the last batches' records, if any are left
-    log.critical("worker exits with status %d for its supervisor to restart it", status)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    if _worker is not None:
+        _worker.stop()
 
 
 def say_goodbye(runner: BatchRunner, state: str = "stopped") -> None:

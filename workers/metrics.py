@@ -72,6 +72,15 @@ class WorkerMetrics:
         self.batches = Counter(
             "sampling_batches", "Batches run", labelnames=labels, registry=self.registry
         ).labels(worker)
+        self._failures = Counter(
+            "sampling_batch_failures",
+            "Failures of the worker's batch pipeline, by stage (workers.pipeline.Stage)",
+            labelnames=["worker", "stage"],
+            registry=self.registry,
+        )
+
+    def count_failure(self, stage: str) -> None:
+        self._failures.labels(self.worker, stage).inc()
 
     def observe_batch(
         self, *, size: int, expired: int, queue_wait_ms: int | None, sampler_ms: float

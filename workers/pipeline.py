@@ -36,8 +36,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 
 import redis
 
@@ -60,6 +62,17 @@ CALL_TIMEOUT_ESTIMATES = 10
 
 def auto_call_timeout_ms(estimate_ms: float) -> float:
     return max(MIN_CALL_TIMEOUT_MS, CALL_TIMEOUT_ESTIMATES * estimate_ms)
+
+
+class Stage(StrEnum):
+    """Where a batch's work failed: the `stage` label of sampling_batch_failures_total."""
+
+    RUN = "run"  # a bug of ours in the GPU thread: the batch fails whole
+    SEAL = "seal"  # Redis lost mid-seal, say: the batch fails whole
+    PUBLISH = "publish"  # its answers not stored: the members time out at their deadline
+    RECORD = "record"  # its record, statistics or metrics lost; the answers still go
+    REPORT = "report"  # its answers, record or failure not stored: members time out
+    RESEND = "resend"  # its task not sent again: its hold hands it over at the next request
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,25 @@ class BatchPipeline:
             return self._call_timeout_ms
         return auto_call_timeout_ms(self.runner.estimate_ms)
 
+    # --- the one failure path ---------------------------------------------------------------
+    @contextmanager
+    def _failure_of(self, batch_id: str, stage: Stage) -> Iterator[None]:
+        """Whatever the block raises is this batch's failure at `stage`: logged with its
+        traceback, counted, and for a batch that fails whole (RUN, SEAL) answered (the
+        reporter stores the failure: its waiters' get() raises, the view answers 502). The
+        thread goes on with its next batch."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("batch %s failed (%s)", batch_id, stage)
+            self.runner.metrics.count_failure(stage)
+            if stage in (Stage.RUN, Stage.SEAL):
+                self._reports.put(_Report(batch_id, exc))
+
+    def _resend_safely(self, batch_id: str) -> None:
+        with self._failure_of(batch_id, Stage.RESEND):
+            self._resend(batch_id)
+
     # --- Celery's thread -------------------------------------------------------------------
     def submit(self, batch_id: str, lane: int = UNKNOWN_LANE) -> None:
         """Hand the batch's task to the GPU thread; return when Celery may take the next task:
@@ -199,11 +231,9 @@ class BatchPipeline:
                 continue
             batch_id, lane = task
             try:
-                unpublished = self._run(batch_id, lane, unpublished)
-            except Exception as exc:  # a bug of ours: fail the batch, keep the GPU thread
-                log.exception("batch %s failed in the GPU thread", batch_id)
-                self._reports.put(_Report(batch_id, exc))
-                unpublished = None
+                sampled, unpublished = unpublished, None
+                with self._failure_of(batch_id, Stage.RUN):
+                    unpublished = self._run(batch_id, lane, sampled)
             finally:
                 with self._changed:
                     self._taken, self._turn, self._call_started = None, None, None
@@ -214,12 +244,9 @@ class BatchPipeline:
         """Seal a batch for the task of `batch_id` (that one, or a higher lane's), have the
         reporter publish `unpublished`'s answers, and sample the batch; return its turn,
         sampled (None when it has no call)."""
-        try:
+        turn = None
+        with self._failure_of(batch_id, Stage.SEAL):
             turn = self.runner.begin(batch_id, lane)
-        except Exception as exc:  # Redis lost mid-seal, say: the batch fails, the worker stays
-            log.exception("batch %s could not be sealed", batch_id)
-            self._reports.put(_Report(batch_id, exc))
-            turn = None
         if unpublished is not None:
             self._reports.put(_Report(unpublished.batch_id, unpublished, publish=True))
         if turn is None:
@@ -244,22 +271,19 @@ class BatchPipeline:
             waiting, self._waiting = self._waiting, None
             self._closed = True
         if waiting is not None:
-            try:
-                self._resend(waiting[0])
-            except Exception:  # its hold hands it over at the next request anyway
-                log.exception("batch %s could not be sent again", waiting[0])
+            self._resend_safely(waiting[0])
         self._on_unhealthy(
             f"{self.runner.failed_calls} sampler calls failed in a row, the last: "
             f"{self.runner.last_failure}"
         )
 
     def _publish(self, batch_id: str, answers: list[Result]) -> None:
-        try:
-            with self.runner.aggregator.client.pipeline(transaction=False) as pipe:
-                self._queue_answers(pipe, batch_id, answers)
-                pipe.execute()
-        except Exception:  # the members time out at their deadline instead
-            log.exception("the answers of batch %s could not be published", batch_id)
+        with (
+            self._failure_of(batch_id, Stage.PUBLISH),
+            self.runner.aggregator.client.pipeline(transaction=False) as pipe,
+        ):
+            self._queue_answers(pipe, batch_id, answers)
+            pipe.execute()
 
     # --- the reporter thread ---------------------------------------------------------------
     def _report_loop(self) -> None:
@@ -267,35 +291,31 @@ class BatchPipeline:
             if isinstance(report, _Resend):
                 self._hand_over(report.batch_ids)
                 continue
-            batch_id, outcome = report.batch_id, report.outcome
-            try:
-                if isinstance(outcome, Exception):
-                    self._store_failure(batch_id, outcome)
-                    continue
-                # The answers, then the record and statistics: one round trip. On a cluster
-                # the record also writes to other masters' slots (token charges, the cache
-                # on every shard): the answers go first, so that a master down elsewhere
-                # cannot keep them from their batch's own.
-                with self.runner.aggregator.client.pipeline(transaction=False) as pipe:
-                    if report.publish:
-                        self._queue_answers(pipe, batch_id, outcome.answers)
-                        if self._cluster:
-                            pipe.execute()
-                    try:
-                        self.runner.finish(outcome, pipe)
-                    except Exception:  # a record that fails must not keep the answers
-                        log.exception("batch %s: its record failed", batch_id)
+            with self._failure_of(report.batch_id, Stage.REPORT):
+                self._report(report)
+
+    def _report(self, report: _Report) -> None:
+        batch_id, outcome = report.batch_id, report.outcome
+        if isinstance(outcome, Exception):
+            self._store_failure(batch_id, outcome)
+            return
+        # The answers, then the record and statistics: one round trip. On a cluster the
+        # record also writes to other masters' slots (token charges, the cache on every
+        # shard): the answers go first, so that a master down elsewhere cannot keep them from
+        # their batch's own.
+        with self.runner.aggregator.client.pipeline(transaction=False) as pipe:
+            if report.publish:
+                self._queue_answers(pipe, batch_id, outcome.answers)
+                if self._cluster:
                     pipe.execute()
-            except Exception:  # the members time out at their deadline instead
-                log.exception("batch %s could not be reported", batch_id)
+            with self._failure_of(batch_id, Stage.RECORD):  # the answers go all the same
+                self.runner.finish(outcome, pipe)
+            pipe.execute()
 
     def _hand_over(self, batch_ids: list[str]) -> None:
         for batch_id in batch_ids:
             log.warning("batch %s was due for a hand-over: sending its task again", batch_id)
-            try:
-                self._resend(batch_id)
-            except Exception:
-                log.exception("batch %s could not be sent again", batch_id)
+            self._resend_safely(batch_id)
 
     # --- the watchdog thread ---------------------------------------------------------------
     def _watchdog_loop(self) -> None:
@@ -330,10 +350,7 @@ class BatchPipeline:
         reason = f"sampler call timed out after {ran_ms:.0f} ms"
         self._publish(turn.batch_id, turn.answers_failing_the_rest(reason))
         if waiting is not None:  # received, never sealed: another worker runs it
-            try:
-                self._resend(waiting)
-            except Exception:  # its hold hands it over at the next request anyway
-                log.exception("batch %s could not be sent again", waiting)
+            self._resend_safely(waiting)
         self._on_hung(turn.batch_id, ran_ms)
 
     def drain_reports(self, timeout_s: float) -> None:

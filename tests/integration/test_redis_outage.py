@@ -14,6 +14,7 @@ import pytest
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
 from tests.support.http import sample
+from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
@@ -64,7 +65,7 @@ def steady_load(base_url: str, stop: threading.Event, answers: list[Answer]) -> 
             pool.submit(one, index)
             index += 1
             next_at += 1 / RATE_RPS
-            time.sleep(max(0.0, next_at - time.monotonic()))
+            time.sleep(max(0.0, next_at - time.monotonic()))  # duration: the load's pace
 
 
 def test_redis_down_for_over_30_s_under_load(
@@ -87,14 +88,18 @@ def test_redis_down_for_over_30_s_under_load(
     load = threading.Thread(target=steady_load, args=(stack.base_url, stop, answers))
     load.start()
     try:
-        time.sleep(3)
+        wait_until(lambda: sum(a.right for a in list(answers)) >= 2 * RATE_RPS, 20, "served")
         killed_at = time.monotonic()
         own_redis.kill()
-        time.sleep(OUTAGE_S)
+        time.sleep(OUTAGE_S)  # duration: the outage
         restarted_at = time.monotonic()
         own_redis.start()  # returns once it answers
         back_at = time.monotonic()
-        time.sleep(RECOVERY_S + 5)
+        wait_until(
+            lambda: sum(a.sent_at >= back_at + RECOVERY_S for a in list(answers)) >= 5 * RATE_RPS,
+            RECOVERY_S + 20,
+            "5 s of requests answered after the recovery",
+        )
     finally:
         stop.set()
         load.join(timeout=30)

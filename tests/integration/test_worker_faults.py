@@ -25,6 +25,7 @@ from inference_site.lib.stack import ROOT, Stack
 from tests.support import unique_queue
 from tests.support.http import Reply, request, sample
 from tests.support.probe_sampler import stuck_call_key
+from tests.support.waiting import wait_until
 from workers.lifecycle import EXIT_HUNG_CALL, EXIT_UNHEALTHY_GPU
 from workers.runner import FAILED_CALLS_UNHEALTHY
 from workers.samplers.simulated import expected_completion
@@ -45,14 +46,9 @@ class StuckCall:
 
 def stuck_call(client: redis.Redis, queue: str, timeout_s: float = 5) -> StuckCall:
     """The probe's record of the hung or slow call, once it has started."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        raw = client.get(stuck_call_key(queue))
-        if raw:
-            call = json.loads(raw)
-            return StuckCall(int(call["pid"]), list(call["prompts"]), float(call["started_at"]))
-        time.sleep(0.005)
-    raise AssertionError("the probe sampler never started the call")
+    raw = wait_until(lambda: client.get(stuck_call_key(queue)), timeout_s, "the probe's call")
+    call = json.loads(raw)
+    return StuckCall(int(call["pid"]), list(call["prompts"]), float(call["started_at"]))
 
 
 def worker_with_pid(stack: Stack, pid: int) -> subprocess.Popen[bytes]:
@@ -112,8 +108,7 @@ def test_a_hung_call_is_answered_502_at_the_timeout_and_its_worker_leaves(
     )
     client = redis.Redis.from_url(stack.env["REDIS_URL"])
     queue = stack.env["SAMPLING_QUEUE"]
-    while live_workers(stack) < 2:
-        time.sleep(0.1)
+    wait_until(lambda: live_workers(stack) == 2, 30, "both workers live")
     prompts = ["hang: forever"] + [f"alongside {i}" for i in range(5)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         replies = list(pool.map(lambda p: (sample(stack.base_url, p), time.time()), prompts))
@@ -132,7 +127,7 @@ def test_a_hung_call_is_answered_502_at_the_timeout_and_its_worker_leaves(
             assert (reply.status, reply.body) == (200, expected_completion(prompt))
     # Out of admission and /readyz at once (its goodbye follows the answers by a round
     # trip), and gone for its supervisor to restart it.
-    wait_for(lambda: live_workers(stack) == 1, 0.2, "the hung worker out of admission")
+    wait_until(lambda: live_workers(stack) == 1, 0.2, "the hung worker out of admission")
     assert worker_with_pid(stack, hung.pid).wait(timeout=5) == EXIT_HUNG_CALL
     # The other worker serves everything else.
     for i in range(5):
@@ -179,8 +174,7 @@ def test_a_worker_killed_mid_call_loses_only_the_batch_it_was_running(
     client = redis.Redis.from_url(stack.env["REDIS_URL"])
     queue = stack.env["SAMPLING_QUEUE"]
     keys = BatchAggregator(client, queue).shards[0]
-    while live_workers(stack) < 2:
-        time.sleep(0.1)
+    wait_until(lambda: live_workers(stack) == 2, 30, "both workers live")
     replies: dict[str, Reply] = {}
     stop = threading.Event()
 
@@ -194,7 +188,7 @@ def test_a_worker_killed_mid_call_loses_only_the_batch_it_was_running(
     with ThreadPoolExecutor(16) as pool:
         lanes = [pool.submit(load, lane) for lane in range(10)]
         try:
-            time.sleep(0.5)
+            wait_until(lambda: len(replies) >= 10, 10, "the load served")
             # The worker asks for its next task near the expected end of its call: it holds a
             # batch it has not sealed when it dies. Its hold is watched as a command (MONITOR)
             # rather than polled for: the batch is due for a hand-over a moment later.
@@ -204,12 +198,19 @@ def test_a_worker_killed_mid_call_loses_only_the_batch_it_was_running(
                 # Lanes that start now: the slow batch may hold a request of every lane above,
                 # and then no batch would come for its worker to hold.
                 lanes += [pool.submit(load, lane) for lane in range(10, 15)]
-                deadline = time.monotonic() + 1
-                while not held_by(running.pid, commands, keys.handover_due):
-                    assert time.monotonic() < deadline, "the slow call's worker held no batch"
-                    time.sleep(0.005)
+                wait_until(
+                    lambda: held_by(running.pid, commands, keys.handover_due),
+                    1,
+                    "the slow call's worker holds a batch",
+                )
             os.kill(running.pid, signal.SIGKILL)
-            time.sleep(DEADLINE_MS / 1000 + 0.5)
+            # Until the killed call's requests are answered (504, at their deadline).
+            others = set(running.prompts) - {"slow: to be killed"}
+            wait_until(
+                lambda: slow.done() and others <= set(replies),
+                DEADLINE_MS / 1000 + 2,
+                "the killed call's requests answered",
+            )
         finally:  # a failed step ends the load too, rather than leaving the lanes running
             stop.set()
         for lane in lanes:
@@ -254,15 +255,6 @@ def make_run(redis_url: str, tmp_path: Path) -> Iterator[MakeRun]:
             process.wait(timeout=30)
 
 
-def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
-
-
 def test_make_run_starts_a_worker_that_exits_again(make_run: MakeRun) -> None:
     process, output, env = make_run
     base_url = f"http://127.0.0.1:{env['PORT']}"
@@ -277,16 +269,16 @@ def test_make_run_starts_a_worker_that_exits_again(make_run: MakeRun) -> None:
                 return int(json.loads(raw)["pid"])
         return None
 
-    wait_for(lambda: b"Ready:" in output.read_bytes(), 90, "make run ready")
-    wait_for(worker_pid, 10, "a worker's heartbeat")
+    wait_until(lambda: b"Ready:" in output.read_bytes(), 90, "make run ready")
+    wait_until(worker_pid, 10, "a worker's heartbeat")
     first = worker_pid()
     assert first is not None
     os.kill(first, signal.SIGKILL)
-    wait_for(lambda: b"started again" in output.read_bytes(), 15, "the worker started again")
+    wait_until(lambda: b"started again" in output.read_bytes(), 15, "the worker started again")
     log = output.read_text()
     assert f"(pid {first}) exited with status -9" in log
-    wait_for(lambda: worker_pid() not in (None, first), 60, "the new worker's heartbeat")
-    wait_for(lambda: request(base_url, "/readyz", method="GET").status == 200, 30, "ready")
+    wait_until(lambda: worker_pid() not in (None, first), 60, "the new worker's heartbeat")
+    wait_until(lambda: request(base_url, "/readyz", method="GET").status == 200, 30, "ready")
     assert sample(base_url, "E equals ").body == "MC squared"
     assert process.poll() is None  # make run goes on
     process.send_signal(signal.SIGTERM)

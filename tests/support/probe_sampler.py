@@ -54,7 +54,7 @@ class ProbeSampler(SimulatedSampler):
             call = {"pid": os.getpid(), "prompts": prompts, "started_at": time.time()}
             self.client.set(stuck_call_key(self.queue), json.dumps(call))
         if hang:
-            threading.Event().wait()  # forever
+            threading.Event().wait()  # duration: forever, a hung call
         if slow:
-            time.sleep(SLOW_MS / 1000)
+            time.sleep(SLOW_MS / 1000)  # duration: a slow call
         return super().sample(prompts)

@@ -7,6 +7,7 @@ pipeline it is given, so the test reads what was published, in order, from Redis
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -15,10 +16,12 @@ from typing import Any
 
 import pytest
 import redis
+from prometheus_client import generate_latest
 
 from batching.aggregator import HELD_SUFFIX, BatchAggregator
 from batching.outcomes import ItemOutcome
 from tests.support import unique_queue
+from tests.support.waiting import wait_until
 from workers.pipeline import BatchPipeline
 from workers.runner import BatchRunner, Result
 from workers.samplers.base import PromptRejected, Sampler
@@ -39,8 +42,8 @@ class TimedSampler(Sampler):
         started = time.monotonic()
         self.calls.append((list(prompts), started, None))
         if "hang" in prompts:
-            self.release.wait()
-        time.sleep(self.call_s)
+            self.release.wait()  # duration: a hung call, until the test releases it
+        time.sleep(self.call_s)  # duration: the call's
         self.calls[-1] = (list(prompts), started, time.monotonic())
         return [prompt.upper() for prompt in prompts]
 
@@ -87,9 +90,10 @@ class Harness:
         return self.batch(*prompts)
 
     def published(self, count: int, timeout_s: float = 5.0) -> list[tuple[str, list[Result]]]:
-        deadline = time.monotonic() + timeout_s
-        while self.client.llen(self.published_key) < count and time.monotonic() < deadline:
-            time.sleep(0.01)
+        """What was published, once `count` batches were (or `timeout_s` passed)."""
+        if timeout_s:
+            with contextlib.suppress(AssertionError):  # the caller's assert says what is wrong
+                wait_until(lambda: self.client.llen(self.published_key) >= count, timeout_s)
         return [tuple(json.loads(raw)) for raw in self.client.lrange(self.published_key, 0, -1)]
 
 
@@ -120,9 +124,7 @@ def test_every_batch_is_answered_in_order_and_recorded(harness: MakeHarness) -> 
         (batch_id, [[ItemOutcome.OK, f"A{i}"], [ItemOutcome.OK, f"B{i}"]])
         for i, batch_id in enumerate(batches)
     ]
-    deadline = time.monotonic() + 5
-    while len(h.aggregator.recent_batches()) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(h.aggregator.recent_batches()) >= 3, 5, "3 batch records")
     records = [json.loads(raw) for raw in h.aggregator.recent_batches()]
     assert sorted(r["batch_id"] for r in records) == sorted(batches)
 
@@ -148,11 +150,11 @@ def test_a_batch_received_while_the_gpu_is_busy_is_held_then_sealed(harness: Mak
     second = h.next_batch("second")
     submitted = threading.Thread(target=h.pipeline.submit, args=(second,))
     submitted.start()
-    deadline = time.monotonic() + 1
-    held = None
-    while held is None and time.monotonic() < deadline:
-        held = h.client.zscore(h.aggregator.shards[0].handover_due, second + HELD_SUFFIX)
-    assert held is not None  # due for a hand-over if this worker died before the seal
+    wait_until(  # due for a hand-over if this worker died before the seal
+        lambda: h.client.zscore(h.aggregator.shards[0].handover_due, second + HELD_SUFFIX),
+        1,
+        "the batch held",
+    )  # due for a hand-over if this worker died before the seal
     submitted.join(5)
     assert [batch for batch, _ in h.published(2)] == [first, second]
     # Sealed by this worker: no longer due for a hand-over.
@@ -164,7 +166,7 @@ def test_a_batch_with_nothing_left_to_sample_is_answered_without_a_call(
 ) -> None:
     h = harness()
     ticket = h.aggregator.append("too late", 1)  # due in 1 ms: expired by the seal
-    time.sleep(0.01)
+    time.sleep(0.01)  # duration: past the item's deadline
     h.pipeline.submit(ticket.batch_id)
     assert h.published(1) == [
         (ticket.batch_id, [[ItemOutcome.EXPIRED, "deadline could not be met"]])
@@ -192,9 +194,7 @@ def test_a_hung_call_is_cut_off_answered_and_its_waiting_batch_sent_again(
     h.pipeline.submit(hung)
     waiting = h.next_batch("next")
     threading.Thread(target=h.pipeline.submit, args=(waiting,), daemon=True).start()
-    deadline = time.monotonic() + 3
-    while not h.hung and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_until(lambda: h.hung, 3, "the call cut off")
     assert [batch for batch, _ in h.hung] == [hung]
     assert h.hung[0][1] >= 300
     assert time.monotonic() - started < 2  # cut off, not waited for
@@ -239,3 +239,31 @@ def test_a_failing_record_does_not_keep_the_answers(harness: MakeHarness) -> Non
         (first, [[ItemOutcome.OK, "P1"]]),
         (second, [[ItemOutcome.OK, "P2"]]),
     ]
+
+
+def test_a_batch_that_cannot_be_sealed_is_answered_logged_and_counted_once(
+    harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The one failure path: the batch's waiters get its failure (a 502), the log its
+    traceback, the metrics a count by stage; the GPU thread goes on with the next batch."""
+    h = harness()
+    begin = h.runner.begin
+
+    def lost_mid_seal(batch_id: str, lane: int) -> object:
+        raise redis.ConnectionError("Redis lost mid-seal")
+
+    h.runner.begin = lost_mid_seal  # type: ignore[assignment,method-assign]
+    failed = h.next_batch("lost")
+    with caplog.at_level("ERROR", logger="workers.pipeline"):
+        h.pipeline.submit(failed)
+        wait_until(lambda: h.failures, 5, "the failure stored")
+    assert [(batch_id, str(exc)) for batch_id, exc in h.failures] == [
+        (failed, "Redis lost mid-seal")
+    ]
+    assert [r.getMessage() for r in caplog.records] == [f"batch {failed} failed (seal)"]
+    text = generate_latest(h.runner.metrics.registry).decode()
+    assert 'sampling_batch_failures_total{stage="seal",worker="w"} 1.0' in text
+    h.runner.begin = begin  # type: ignore[method-assign]
+    h.pipeline.submit(h.next_batch("after"))  # its seal takes the oldest batch first
+    ((_, answers),) = h.published(1)
+    assert answers == [[ItemOutcome.OK, "LOST"]]

@@ -3,14 +3,13 @@ real Redis."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import redis
 
 from batching.keys import QueueKeys
 from batching.policy import Policy, PolicyWatcher, publish, withdraw
 from tests.support import unique_queue
+from tests.support.waiting import wait_until
 
 
 def test_defaults_are_valid_and_bounds_are_named() -> None:
@@ -52,15 +51,10 @@ def test_watcher_follows_publish_and_withdraw(redis_client: redis.Redis) -> None
     watcher.start()
     try:
         publish(redis_client, queue, Policy(max_batch_size=5, version=1))
-        deadline = time.monotonic() + 2
-        while watcher.current.version != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: watcher.current.version == 1, 2, "the published policy applied")
         assert watcher.current.max_batch_size == 5
         withdraw(redis_client, queue)
-        deadline = time.monotonic() + 2
-        while watcher.current is not defaults and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert watcher.current is defaults
+        wait_until(lambda: watcher.current is defaults, 2, "the defaults back")
     finally:
         watcher.stop()
     assert seen == [100, 5, 100]

@@ -127,6 +127,13 @@ def choose_dtype(device: str, requested: str = "") -> Any:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
+def _check_graph_options(cuda_graphs: str, graph_prompt_tokens: int) -> None:
+    if cuda_graphs not in CUDA_GRAPH_MODES:
+        raise ValueError(f"CUDA graphs must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")
+    if graph_prompt_tokens < 1:
+        raise ValueError(f"the CUDA graphs' prompt bound must be positive: {graph_prompt_tokens}")
+
+
 class HFSampler(Sampler):
     """Loads the model once; each call left-pads the batch and runs one `generate`, or on a GPU
     the same generation on a static cache with each decode step a CUDA graph replay
@@ -146,22 +153,10 @@ class HFSampler(Sampler):
         architectures), served as `model` names it instead of loading `model`; `dtype`: the
         weights' ("float32", "bfloat16"), else the device's usual (choose_dtype)."""
         import torch
-        from transformers import (
-            AutoModelForCausalLM,
-            AutoTokenizer,
-            GenerationConfig,
-            LogitsProcessorList,
-            StoppingCriteriaList,
-        )
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a worker's log is not a terminal
-        if cuda_graphs not in CUDA_GRAPH_MODES:
-            raise ValueError(f"CUDA graphs must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")
-        if graph_prompt_tokens < 1:
-            raise ValueError(
-                f"the CUDA graphs' prompt bound must be positive: {graph_prompt_tokens}"
-            )
+        _check_graph_options(cuda_graphs, graph_prompt_tokens)
         self.cuda_graphs = cuda_graphs
         self.graph_prompt_tokens = graph_prompt_tokens
         self.decoder: StaticDecoder | None = None
@@ -170,16 +165,22 @@ class HFSampler(Sampler):
         self.device = choose_device(device)
         self.dtype = choose_dtype(self.device, dtype)
         self.name = f"hf:{self.source.label}"
+        self._torch = torch
 
         started = time.perf_counter()
-        if preloaded:
-            tokenizer, network = preloaded
-        else:
-            tokenizer, network = self._load(AutoTokenizer, AutoModelForCausalLM)
+        self._take_model(*(preloaded or self._load()))
+        self.context_tokens = self._context_tokens()
+        self._bind_generation()
+        self.configure(generation or GenerationSettings())
+        self._log_loaded(time.perf_counter() - started)
+        # After the load and before the warm-up that gives the worker its first estimate.
+        self._start_graphs()
+
+    def _take_model(self, tokenizer: Any, network: Any) -> None:
+        """The model on this sampler's device, and its tokenizer padding on the left."""
         # The device only: a dtype here would cast the rotary frequencies (float32 buffers)
         # as well; from_pretrained already gave the weights theirs.
         self.model = network.to(self.device).eval()
-
         # A decoder continues from the last position, so the padding goes on the left, and
         # the attention mask keeps the model from reading it.
         tokenizer.padding_side = "left"
@@ -188,14 +189,17 @@ class HFSampler(Sampler):
             tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
         self.tokenizer = tokenizer
 
-        self.context_tokens = self._context_tokens()
+    def _bind_generation(self) -> None:
+        """What each eager `generate` call builds on: transformers' classes, the EOS ids."""
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
         self._generation_config_class = GenerationConfig
         self._processors_class = LogitsProcessorList
         self._criteria_class = StoppingCriteriaList
-        eos = self.model.generation_config.eos_token_id or tokenizer.eos_token_id
+        eos = self.model.generation_config.eos_token_id or self.tokenizer.eos_token_id
         self._eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self._torch = torch
-        self.configure(generation or GenerationSettings())
+
+    def _log_loaded(self, took_s: float) -> None:
         if self.device == "cpu":
             log.warning(
                 "no GPU: %s runs on CPU, where a call takes seconds, not the ~100 ms the "
@@ -208,28 +212,36 @@ class HFSampler(Sampler):
             self.source.label,
             self.device,
             str(self.dtype).removeprefix("torch."),
-            time.perf_counter() - started,
+            took_s,
             self.context_tokens,
             self.generation.max_new_tokens,
             self.generation.temperature,
             self.generation.top_p,
             self.generation.stop,
         )
-        # After the load and before the warm-up that gives the worker its first estimate.
-        if cuda_graphs == "on" and not self.device.startswith("cuda"):
+
+    def _start_graphs(self) -> None:
+        """SAMPLING_CUDA_GRAPHS: the static caches and their graphs on a CUDA device (`auto`,
+        `on`); `on` without one refuses to start."""
+        if self.cuda_graphs == "on" and not self.device.startswith("cuda"):
             raise CudaGraphsUnavailable(
                 f"SAMPLING_CUDA_GRAPHS=on needs a CUDA device, and this worker's is {self.device}"
             )
-        if cuda_graphs == "on" or (cuda_graphs == "auto" and self.device.startswith("cuda")):
+        if self.cuda_graphs == "on" or (
+            self.cuda_graphs == "auto" and self.device.startswith("cuda")
+        ):
             self.use_static_cache(graphs=True)
 
-    def _load(self, tokenizer_class: Any, model_class: Any) -> tuple[Any, Any]:
+    def _load(self) -> tuple[Any, Any]:
+        """The tokenizer and the model that `self.source` names, from disk or the cache."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         kwargs: dict[str, Any] = {}
         if self.source.gguf_file:
             kwargs["gguf_file"] = self.source.gguf_file
         try:
-            tokenizer = tokenizer_class.from_pretrained(self.source.name_or_path, **kwargs)
-            network = model_class.from_pretrained(
+            tokenizer = AutoTokenizer.from_pretrained(self.source.name_or_path, **kwargs)
+            network = AutoModelForCausalLM.from_pretrained(
                 self.source.name_or_path, dtype=self.dtype, **kwargs
             )
         except OSError as exc:

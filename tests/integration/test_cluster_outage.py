@@ -1,0 +1,131 @@
+"""Every master of the cluster killed at once, then restarted: every periodic loop of every
+process runs again (the key and policy watchers and the statistics flush of each web process,
+the worker's heartbeat, policy watcher and hand-over scan). In cluster mode redis-py raises
+RedisClusterException, not a RedisError, when no node answers: loops that caught only
+RedisError died with the outage, and a key created afterwards stayed refused for good."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from batching.aggregator import BatchAggregator
+from batching.policy import Policy, publish
+from batching.stats import SECOND, merge, read_buckets
+from batching.topology import redis_client
+from inference_site.lib.embedded_cluster import EmbeddedCluster
+from inference_site.lib.embedded_redis import EmbeddedRedis
+from inference_site.lib.stack import Stack
+from tests.support.http import sample
+from tests.support.keys import bearer, create_key
+from tests.support.waiting import wait_until
+from workers.samplers.simulated import expected_completion
+
+pytestmark = pytest.mark.integration
+
+OUTAGE_S = 3.0
+PROPAGATION_S = 2.0  # a key created afterwards works everywhere within this long
+
+
+@pytest.fixture
+def cluster() -> Iterator[EmbeddedCluster]:
+    with EmbeddedCluster(masters=3).start() as started:
+        yield started
+
+
+@pytest.fixture
+def broker() -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
+def every_process_answers(stack: Stack, key: str, status: int, prompt: str = "E equals ") -> bool:
+    """8 requests in a row (spread over the web processes) all got `status`."""
+    return all(
+        sample(stack.base_url, prompt, headers=bearer(key)).status == status for _ in range(8)
+    )
+
+
+def test_every_loop_of_every_process_runs_again_after_every_master_died(
+    cluster: EmbeddedCluster, broker: EmbeddedRedis, start_stack: Callable[..., Stack]
+) -> None:
+    stack = start_stack(
+        "cluster-outage",
+        env={
+            "REDIS_URL": broker.url,
+            "CELERY_BROKER_URL": broker.url,
+            "SAMPLING_REDIS_URL": cluster.url,
+            "SAMPLING_REDIS_CLUSTER": "1",
+            "SAMPLING_SHARDS": "3",
+            "SAMPLER": "simulated",
+            "SAMPLING_REQUIRE_API_KEY": "1",
+        },
+        gpus=[0],
+        web_processes=2,
+    )
+    queue = stack.env["SAMPLING_QUEUE"]
+    client = redis_client(cluster.url, cluster=True)
+    aggregator = BatchAggregator(client, queue, shards=3)
+    before = create_key(stack, "before the outage")
+    wait_until(lambda: every_process_answers(stack, before, 200), 10, "the first key everywhere")
+
+    for index in range(cluster.masters):
+        cluster.kill(index)
+    outage_ends = time.monotonic() + OUTAGE_S
+    # Requests meanwhile: statistics and keys' last use pile up for flushes that fail.
+    while time.monotonic() < outage_ends:
+        assert sample(stack.base_url, "E equals ", headers=bearer(before)).status == 503
+        time.sleep(0.1)  # duration: a trickle of requests over the outage
+    for node in cluster.nodes:
+        node.start()
+    cluster.wait_healthy()
+    restarted_at = time.time()
+
+    # The key watcher of every web process: a key created now works everywhere within 2 s.
+    after = create_key(stack, "after the outage")
+    created_at = time.monotonic()
+    wait_until(lambda: every_process_answers(stack, after, 200), PROPAGATION_S + 3, "new key")
+    assert time.monotonic() - created_at < PROPAGATION_S
+    prompt = f"E equals {uuid.uuid4().hex[:6]} "
+    assert sample(stack.base_url, prompt, headers=bearer(after)).body == expected_completion(prompt)
+
+    # The worker's heartbeat.
+    def worker_info() -> dict[str, Any]:
+        infos = aggregator.worker_infos(time.time() - 60)
+        assert len(infos) == 1, infos
+        return infos[0][1]
+
+    wait_until(lambda: worker_info()["heartbeat_at"] > restarted_at, 5, "a heartbeat after")
+
+    # The statistics flush of the web processes: the requests since the restart are counted.
+    def ok_since_restart() -> int:
+        end = int(time.time()) + 1
+        counts = merge(c for _, c in read_buckets(client, queue, SECOND, int(restarted_at), end))
+        return counts["req:ok"]
+
+    wait_until(lambda: ok_since_restart() >= 9, 5, "the requests since the restart flushed")
+
+    # The policy watcher of every process: a policy published now applies in each web process
+    # (a long prompt refused) and in the worker (its heartbeat reports the version).
+    assert publish(client, queue, Policy(max_prompt_bytes=16, version=7))
+    long_prompt = "E equals " + "x" * 32
+    wait_until(lambda: every_process_answers(stack, after, 400, long_prompt), 5, "new policy")
+
+    wait_until(lambda: worker_info()["policy_version"] == 7, 5, "the worker applies it")
+
+    # Every loop that failed said once that it runs again (the hand-over scan's only trace).
+    assert stack.log_dir is not None
+    worker_log = (stack.log_dir / "worker-0.log").read_text()
+    web_log = (stack.log_dir / "web.log").read_text()
+    for loop in ("heartbeat", "handover", "policy-watcher"):
+        assert f"{loop} runs again after" in worker_log, loop
+    for loop in ("access-watcher", "policy-watcher", "stats-flush"):
+        assert f"{loop} runs again after" in web_log, loop
+    assert worker_log.count("cannot send the heartbeat") == 1  # once per outage
+    assert stack.web is not None
+    assert all(process.poll() is None for process in [stack.web, *stack.workers])

@@ -1,0 +1,86 @@
+"""A worker's life (workers.lifecycle.SamplingWorker) on a real Redis, without Celery: its
+heartbeat and hand-over loops, its warm stop and its exit path."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from batching.aggregator import BatchAggregator
+from tests.support import unique_queue
+from tests.support.waiting import wait_until
+from workers.lifecycle import EXIT_HUNG_CALL, SamplingWorker
+from workers.runner import BatchRunner
+from workers.samplers.simulated import SimulatedSampler
+
+
+class Exits:
+    """Stands for os._exit: records the status instead of ending the test process."""
+
+    def __init__(self) -> None:
+        self.statuses: list[int] = []
+
+    def __call__(self, status: int) -> None:
+        self.statuses.append(status)
+
+
+@pytest.fixture
+def worker(redis_client: redis.Redis) -> Iterator[tuple[SamplingWorker, Exits, list[str]]]:
+    aggregator = BatchAggregator(redis_client, unique_queue("life"), deadline_ms=500)
+    runner = BatchRunner(aggregator, SimulatedSampler(batch_ms=1), "w")
+    resent: list[str] = []
+    exits = Exits()
+    made = SamplingWorker(runner, resent.append, exit_process=exits)
+    made.heartbeat.interval_s = 0.02  # settable: the test need not wait out a second
+    yield made, exits, resent
+    made.heartbeat.stop()
+    made.handover.stop()
+
+
+def info_of(worker: SamplingWorker) -> dict[str, object]:
+    raw = worker.aggregator.client.get(worker.aggregator.keys.worker_info("w"))
+    return json.loads(raw) if raw else {}
+
+
+def test_the_worker_heartbeats_while_it_runs_and_says_goodbye_on_a_warm_stop(
+    worker: tuple[SamplingWorker, Exits, list[str]],
+) -> None:
+    life, exits, _ = worker
+    life.start()
+    wait_until(lambda: life.aggregator.live_workers() == 1, 2, "the first heartbeat")
+    wait_until(lambda: life.heartbeat.runs >= 3, 2, "heartbeats once an interval")
+    assert info_of(life)["state"] == "idle"
+    life.stop()
+    assert not life.heartbeat.running
+    assert not life.handover.running
+    assert life.aggregator.live_workers() == 0
+    assert info_of(life)["state"] == "stopped"
+    assert exits.statuses == []
+
+
+def test_a_worker_that_leaves_says_why_and_exits_with_its_status(
+    worker: tuple[SamplingWorker, Exits, list[str]],
+) -> None:
+    life, exits, _ = worker
+    life.start()
+    wait_until(lambda: life.aggregator.live_workers() == 1, 2, "the first heartbeat")
+    life.leave("hung", EXIT_HUNG_CALL)
+    assert exits.statuses == [EXIT_HUNG_CALL]
+    assert life.aggregator.live_workers() == 0
+    assert info_of(life)["state"] == "hung"
+    life.stop()  # Celery's shutdown signal afterwards: nothing more to do
+    assert info_of(life)["state"] == "hung"
+
+
+def test_a_failing_hand_over_scan_raises_for_its_loop_to_log() -> None:
+    nobody = redis.Redis(port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    dead = BatchAggregator(nobody, unique_queue("life"), shards=2)
+    life = SamplingWorker(BatchRunner(dead, SimulatedSampler(batch_ms=1), "w"), print)
+    with pytest.raises(redis.ConnectionError):
+        life.scan_handovers()
+    assert not life.handover.run_once()  # the loop logs it, and goes on
