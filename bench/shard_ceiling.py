@@ -68,7 +68,8 @@ from typing import Any
 
 import redis
 
-from batching.aggregator import AdmissionInputs, BatchAggregator
+from batching.admission import AdmissionInputs
+from batching.aggregator import BatchAggregator
 from bench.compare import describe_machine
 from bench.loadgen import percentile
 from inference_site.lib.embedded_redis import EmbeddedRedis, valkey_binary

@@ -9,7 +9,8 @@ from collections import deque
 import redis
 
 from batching import admission
-from batching.aggregator import AdmissionInputs, BatchAggregator
+from batching.admission import AdmissionInputs
+from batching.aggregator import BatchAggregator
 from planning import simulation
 from tests.support import unique_queue
 

@@ -12,13 +12,9 @@ import redis
 from redis.crc import key_slot
 
 from batching import admission
-from batching.aggregator import (
-    ADMISSION_REFRESH_S,
-    DISPATCH_GRACE_MS,
-    AdmissionInputs,
-    BatchAggregator,
-    Ticket,
-)
+from batching.admission import AdmissionInputs
+from batching.aggregator import ADMISSION_REFRESH_S, DISPATCH_GRACE_MS, BatchAggregator
+from batching.items import Ticket
 from batching.keys import tag_of
 from tests.support import unique_queue
 
@@ -220,12 +216,12 @@ def test_shards_spread_requests_and_keep_their_own_batches(redis_client: redis.R
 
 
 def test_heartbeats_count_live_workers(aggregator: BatchAggregator) -> None:
-    assert aggregator.live_workers() == 0
-    assert aggregator.heartbeat("gpu0") == 1
-    assert aggregator.heartbeat("gpu1") == 2
-    assert aggregator.heartbeat("gpu0") == 2
-    aggregator.forget_worker("gpu0")
-    assert aggregator.live_workers() == 1
+    assert aggregator.workers.live_count() == 0
+    assert aggregator.workers.heartbeat("gpu0") == 1
+    assert aggregator.workers.heartbeat("gpu1") == 2
+    assert aggregator.workers.heartbeat("gpu0") == 2
+    aggregator.workers.forget("gpu0")
+    assert aggregator.workers.live_count() == 1
 
 
 def test_max_batch_size_is_bounded(redis_client: redis.Redis) -> None:

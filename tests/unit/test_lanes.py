@@ -9,13 +9,10 @@ import pytest
 import redis
 
 from batching import admission
-from batching.aggregator import (
-    HOLD_LATE_FACTOR,
-    SHARE_WEIGHT,
-    AdmissionInputs,
-    BatchAggregator,
-    Item,
-)
+from batching.admission import AdmissionInputs
+from batching.aggregator import BatchAggregator
+from batching.items import Item
+from batching.lanes import HOLD_LATE_FACTOR, SHARE_WEIGHT
 from batching.protocol import PRIORITY_STEPS, UNKNOWN_LANE, task_priority
 from tests.support import unique_queue
 

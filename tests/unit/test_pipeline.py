@@ -121,9 +121,9 @@ def test_every_batch_is_answered_in_order_and_recorded(harness: MakeHarness) -> 
         for i, batch_id in enumerate(batches)
     ]
     deadline = time.monotonic() + 5
-    while len(h.aggregator.recent_batches()) < 3 and time.monotonic() < deadline:
+    while len(h.aggregator.batch_log.recent()) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    records = [json.loads(raw) for raw in h.aggregator.recent_batches()]
+    records = [json.loads(raw) for raw in h.aggregator.batch_log.recent()]
     assert sorted(r["batch_id"] for r in records) == sorted(batches)
 
 
