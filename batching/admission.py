@@ -12,12 +12,15 @@ benchmark lost about a quarter of its goodput that way. Without a backlog, witho
 worker or without a measured turn, a request is always taken: a worker drops it later if its
 deadline cannot be met, and without workers it waits for its deadline.
 
-The formula lives here once: the per-batch scripts (batching.aggregator) embed ADMISSION_LUA;
-the capacity planner's simulation (planning.simulation) calls `refuses`; a contract test feeds
-both the same inputs.
+The formula lives here once: the per-batch scripts share its Lua twin (`predicted_ms` in
+batching/lua/common.lua, with WORST_CASE_EXTRA_TURNS substituted from here); the capacity
+planner's simulation (planning.simulation) calls `refuses`; a contract test feeds both the same
+inputs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 # The running calls (which may have just started) and the batch's own call.
 WORST_CASE_EXTRA_TURNS = 2
@@ -36,11 +39,9 @@ def refuses(ahead: int, workers: int, turn_ms: float, budget_ms: float) -> bool:
     return predicted is not None and predicted > budget_ms
 
 
-# The same, in Lua, for the per-batch scripts: predicted_ms(ahead, workers, turn_ms) returns nil
-# where the Python one returns None. Lua numbers are doubles; ahead and workers are integers.
-ADMISSION_LUA = f"""
-local function predicted_ms(ahead, workers, turn_ms)
-  if workers <= 0 or turn_ms <= 0 or ahead < workers then return nil end
-  return (math.floor(ahead / workers) + {WORST_CASE_EXTRA_TURNS}) * turn_ms
-end
-"""
+@dataclass(frozen=True)
+class AdmissionInputs:
+    """What a worker knows that admission needs, passed with every seal and heartbeat."""
+
+    workers: int
+    turn_ms: float

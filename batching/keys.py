@@ -128,7 +128,8 @@ class ShardKeys:
     # --- lanes: one open batch per priority lane (a tier's priority; 0 for the anonymous
     # tier and for every request before tiers, whose keys keep their names) --------------
     def lane_key(self, name: str, lane: int) -> str:
-        """Key `name` of lane `lane`: the Lua scripts build the same names (LANE_KEY_LUA)."""
+        """Key `name` of lane `lane`: the Lua scripts build the same names (lane_key,
+        batching/lua/common.lua)."""
         return f"{self.prefix}:{name}" if lane == 0 else f"{self.prefix}:{name}:{lane}"
 
     def open_of(self, lane: int) -> str:

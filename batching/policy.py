@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 
 import redis
 
+from batching import scripts
 from batching.keys import QueueKeys
 from batching.loop import PeriodicLoop
 
@@ -158,29 +159,13 @@ def number(value: float) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
-# KEYS: policy key; ARGV: policy JSON, its version. Never replaces a newer version, so a
-# process republishing what it read a moment ago cannot undo a save that just happened.
-PUBLISH_LUA = """
-local current = redis.call('GET', KEYS[1])
-if current then
-  local ok, decoded = pcall(cjson.decode, current)
-  if ok and type(decoded) == 'table' and tonumber(decoded['version'])
-     and tonumber(decoded['version']) > tonumber(ARGV[2]) then
-    return 0
-  end
-end
-redis.call('SET', KEYS[1], ARGV[1])
-return 1
-"""
-
-
 def publish(client: redis.Redis, queue: str, policy: Policy) -> bool:
     """Make `policy` the one every process of `queue` applies within POLL_INTERVAL_S; False
     when a newer version is already published."""
     problems = policy.problems()
     if problems:
         raise ValueError("; ".join(problems))
-    script = client.register_script(PUBLISH_LUA)
+    script = scripts.register(client, "publish")
     return bool(script(keys=[QueueKeys(queue).policy], args=[policy.to_json(), policy.version]))
 
 

@@ -37,6 +37,15 @@ WINDOW_S = 60
 COUNTER_TTL_MS = 2 * WINDOW_S * 1000
 
 
+@dataclass(frozen=True)
+class RateCounter:
+    """A request rate counter that an append raises (INCR) in its MULTI; `expire_ms` also
+    sets its expiry (the first raise of a window by this process)."""
+
+    key: str
+    expire_ms: int = 0
+
+
 def window_of(now_s: float) -> int:
     return int(now_s // WINDOW_S)
 

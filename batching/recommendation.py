@@ -131,13 +131,13 @@ def from_traffic(
     Without a call in the window, the workers' running estimate of a call stands in."""
     sampler_ms = recent.mean_sampler_ms()
     if sampler_ms is None:
-        sampler_ms = aggregator.published_turn_ms()
+        sampler_ms = aggregator.batch_log.published_turn_ms()
     return recommend(
         rate_rps=recent.demand_rate(),
         sampler_ms=sampler_ms or 1.0,
         max_batch_size=policy.max_batch_size,
         fill_target_percent=policy.fill_target_percent,
-        live_gpus=aggregator.live_workers(),
+        live_gpus=aggregator.workers.live_count(),
         deadline_ms=policy.deadline_ms,
         mean_batch=recent.mean_batch(),
     )

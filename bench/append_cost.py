@@ -27,9 +27,12 @@ from inference_site.lib.embedded_redis import redis_url_or_embedded
 
 
 class PipelineAggregator(BatchAggregator):
-    """The aggregator with its MULTI sent through redis-py's Pipeline, for comparison."""
+    """The aggregator with its MULTI sent through redis-py's Pipeline (as to a cluster), for
+    comparison."""
 
-    _join = BatchAggregator._join_pipelined
+    def __init__(self, client: redis.Redis, queue: str) -> None:
+        super().__init__(client, queue)
+        self._cluster = True
 
 
 def appender(client: redis.Redis, kind: type[BatchAggregator]) -> Callable[[int], None]:

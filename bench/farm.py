@@ -127,7 +127,7 @@ def one_round(topology: str, rate_rps: float, seconds: float, work: Path) -> dic
             ]
             broker_used = redis_cpu(broker_client).total_s - broker_before
             time.sleep(0.5)  # the last batches recorded
-            sizes = [json.loads(raw)["size"] for raw in aggregator.recent_batches()]
+            sizes = [json.loads(raw)["size"] for raw in aggregator.batch_log.recent()]
             wrong = results.count(loadgen.WRONG)
             if wrong:
                 raise RuntimeError(f"{wrong} requests got someone else's completion")

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import redis
 
 from batching import stats
-from batching.aggregator import HEARTBEAT_TIMEOUT_MS, BatchAggregator
+from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
 from batching.recommendation import Recommendation, from_traffic, recent_summary
+from batching.registry import HEARTBEAT_TIMEOUT_MS
 from operations import charts
 
 HOUR_S = 3600
@@ -155,7 +156,7 @@ def _workers(
     now: float,
 ) -> list[WorkerRow]:
     rows = []
-    for name, info in aggregator.worker_infos(now - stats.KNOWN_WORKERS_S):
+    for name, info in aggregator.workers.infos(now - stats.KNOWN_WORKERS_S):
         heartbeat_at = info.get("heartbeat_at")
         age = now - heartbeat_at if heartbeat_at else None
         state = info.get("state", "silent")

@@ -27,10 +27,10 @@ from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ValidationError
 
 from batching.access import Caller
-from batching.aggregator import HEARTBEAT_TIMEOUT_MS
 from batching.generation import SEED_RANGE, SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.policy import MAX_BATCH_SIZE, Policy
+from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.stats import DEPARTED_STATES
 from sampling import schemas
 from sampling.openapi import openapi_document
@@ -407,7 +407,7 @@ def _live_models(process: WebProcess) -> dict[str, Any]:
     samplers: set[str] = set()
     live = 0
     try:
-        infos = process.aggregator.worker_infos(now - MODEL_WORKERS_S - 1)
+        infos = process.aggregator.workers.infos(now - MODEL_WORKERS_S - 1)
     except redis.RedisError as exc:
         log.warning("cannot read the workers' heartbeats: %s", exc)
         infos = []

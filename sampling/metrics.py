@@ -23,11 +23,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from batching.aggregator import HEARTBEAT_TIMEOUT_MS
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
 from batching.recommendation import observed
+from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.stats import KNOWN_WORKERS_S
 
 LATENCY_BUCKETS_S = (

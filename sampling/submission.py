@@ -29,10 +29,10 @@ from django.views.decorators.csrf import csrf_exempt
 
 from batching import cache
 from batching.access import Caller
-from batching.aggregator import RateCounter
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome, RequestOutcome
 from batching.protocol import RUN_BATCH_TASK, task_priority
+from batching.ratelimit import RateCounter
 from batching.results import queue_result
 from inference_site.celery import app as celery_app
 from sampling import metrics

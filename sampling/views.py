@@ -93,7 +93,7 @@ def readyz(request: HttpRequest) -> HttpResponse:
     aggregator = web_process().aggregator
     try:
         aggregator.client.ping()
-        workers = aggregator.live_workers()
+        workers = aggregator.workers.live_count()
     except redis.RedisError as exc:
         return _not_ready(f"not ready: Redis does not answer ({type(exc).__name__})")
     if workers == 0:

@@ -23,15 +23,12 @@ from celery.backends.redis import RedisBackend
 from django.conf import settings
 
 from batching import stats, topology
-from batching.aggregator import (
-    HANDOVER_SCAN_MS,
-    HEARTBEAT_TIMEOUT_MS,
-    AdmissionInputs,
-    BatchAggregator,
-)
+from batching.admission import AdmissionInputs
+from batching.aggregator import HANDOVER_SCAN_MS, BatchAggregator
 from batching.loop import PeriodicLoop
 from batching.policy import PolicyWatcher, policy_from_settings
 from batching.protocol import RUN_BATCH_TASK, UNKNOWN_LANE, task_priority
+from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.results import queue_result
 from workers.pipeline import BatchPipeline
 from workers.runner import BatchRunner, Result
@@ -232,7 +229,7 @@ class SamplingWorker:
         figures: two round trips, and one per shard."""
         runner, aggregator = self.runner, self.aggregator
         now = time.time()
-        runner.live_workers = max(1, aggregator.heartbeat(runner.worker))
+        runner.live_workers = max(1, aggregator.workers.heartbeat(runner.worker))
         with aggregator.client.pipeline(transaction=False) as pipe:
             pipe.set(
                 aggregator.keys.worker_info(runner.worker),
@@ -241,7 +238,7 @@ class SamplingWorker:
             )
             stats.add_counts(pipe, aggregator.queue, now, stats.alive_counts(runner.worker))
             runner.metrics.publish(pipe, aggregator.queue, now)
-            aggregator.queue_turn_ms(pipe, runner.turn_ms)
+            aggregator.batch_log.queue_turn_ms(pipe, runner.turn_ms)
             pipe.execute()
         aggregator.refresh_admission(AdmissionInputs(runner.live_workers, runner.turn_ms))
 
@@ -313,7 +310,7 @@ def say_goodbye(runner: BatchRunner, state: str = "stopped") -> None:
     aggregator = runner.aggregator
     info_key = aggregator.keys.worker_info(runner.worker)
     try:
-        aggregator.forget_worker(runner.worker)
+        aggregator.workers.forget(runner.worker)
         raw = aggregator.client.get(info_key)
         if raw:
             info = {**json.loads(raw), "state": state, "heartbeat_at": time.time()}

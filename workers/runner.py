@@ -18,8 +18,10 @@ from typing import Any
 import redis
 
 from batching import ratelimit, stats
-from batching.aggregator import AdmissionInputs, BatchAggregator, Item, SealedBatch
+from batching.admission import AdmissionInputs
+from batching.aggregator import BatchAggregator
 from batching.generation import Completion, Row
+from batching.items import Item, SealedBatch
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
 from batching.protocol import UNKNOWN_LANE
@@ -135,7 +137,7 @@ class BatchRunner:
     def warm_up(self) -> None:
         self.apply_policy()
         self.estimate_ms = self.turn_ms = self.sampler.warm_up()
-        self.aggregator.publish_turn_ms(self.turn_ms)
+        self.aggregator.batch_log.publish_turn_ms(self.turn_ms)
         self.aggregator.refresh_admission(self.admission_inputs())
         log.info("sampler %s warmed up: %.1f ms per call", self.sampler.name, self.estimate_ms)
 
@@ -167,7 +169,7 @@ class BatchRunner:
 
     def begin(self, batch_id: str, lane: int = UNKNOWN_LANE) -> Turn | None:
         """Seal a batch for the task of `batch_id` (the GPU is free for it): that batch, or a
-        higher lane's ready one (batching.aggregator.SEAL_LUA); drop the items whose deadline
+        higher lane's ready one (batching/lua/seal.lua); drop the items whose deadline
         one more call cannot meet. None when there was nothing left to seal."""
         began = time.perf_counter()
         policy = self.apply_policy()
@@ -321,13 +323,13 @@ class BatchRunner:
         cache_ttl_ms = policy.response_cache_ttl_s * 1000
         now_s = time.time()
         if pipe is not None:
-            self.aggregator.queue_record(pipe, json.dumps(record), statistics, now_s)
+            self.aggregator.batch_log.queue_record(pipe, json.dumps(record), statistics, now_s)
             ratelimit.queue_token_charges(pipe, charges, now_s)
             self.aggregator.queue_cached_answers(pipe, cached, cache_ttl_ms)
             return
         try:
             with self.aggregator.client.pipeline(transaction=False) as own:
-                self.aggregator.queue_record(own, json.dumps(record), statistics, now_s)
+                self.aggregator.batch_log.queue_record(own, json.dumps(record), statistics, now_s)
                 ratelimit.queue_token_charges(own, charges, now_s)
                 self.aggregator.queue_cached_answers(own, cached, cache_ttl_ms)
                 own.execute()

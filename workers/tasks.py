@@ -19,5 +19,5 @@ from workers.lifecycle import current_pipeline
 def run_batch(batch_id: str, queue: str, lane: int = UNKNOWN_LANE) -> None:
     """Hand batch `batch_id` of `queue` (of `lane`, a tier's priority) to this worker's GPU
     pipeline (workers.pipeline): one turn of the GPU, which seals that batch or a higher
-    lane's (batching.aggregator.SEAL_LUA). Messages sent before lanes carry no lane."""
+    lane's (batching/lua/seal.lua). Messages sent before lanes carry no lane."""
     current_pipeline(queue).submit(batch_id, lane)

@@ -16,7 +16,8 @@ from typing import Any
 
 import redis
 
-from batching.aggregator import AdmissionInputs, BatchAggregator
+from batching.admission import AdmissionInputs
+from batching.aggregator import BatchAggregator
 from bench.harness.procstat import redis_cpu
 from bench.harness.stats import percentile
 from bench.shard_ceiling.clients import DEADLINE_MS, MAX_BATCH, Share, Step, client_process

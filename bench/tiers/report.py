@@ -55,7 +55,7 @@ def batches(
     they took, the places of those calls left empty (a part-full batch, or members past their
     deadline), and the seals that found every member past its deadline (no call); how often
     the GPU took a turn, what full batches would have carried, and the share of that served."""
-    records = [json.loads(raw) for raw in aggregator.recent_batches()]
+    records = [json.loads(raw) for raw in aggregator.batch_log.recent()]
     parts = []
     for tier, lane in priorities.items():
         mine = [record for record in records if record.get("lane") == lane]

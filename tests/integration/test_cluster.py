@@ -94,7 +94,7 @@ def test_every_request_gets_its_own_completion_from_every_shard_and_master(
     assert Counter(reply.status for reply in replies) == {200: len(prompts)}
     assert [reply.body for reply in replies] == [expected_completion(p) for p in prompts]
 
-    records = [json.loads(raw) for raw in aggregator.recent_batches()]
+    records = [json.loads(raw) for raw in aggregator.batch_log.recent()]
     served_tags = {tag_of(record["batch_id"]) for record in records if record["size"]}
     assert served_tags == {keys.tag for keys in aggregator.shards}  # batches from every shard
     masters = {master_of(cluster, keys) for keys in aggregator.shards}

@@ -96,7 +96,7 @@ def test_every_loop_of_every_process_runs_again_after_every_master_died(
 
     # The worker's heartbeat.
     def worker_info() -> dict[str, Any]:
-        infos = aggregator.worker_infos(time.time() - 60)
+        infos = aggregator.workers.infos(time.time() - 60)
         assert len(infos) == 1, infos
         return infos[0][1]
 

@@ -112,7 +112,7 @@ def test_an_admin_change_of_max_batch_size_is_obeyed_within_2_s(
 ) -> None:
     aggregator = aggregator_of(ops)
     burst(ops, 40, "before")
-    before = [json.loads(r) for r in aggregator.recent_batches()]
+    before = [json.loads(r) for r in aggregator.batch_log.recent()]
     assert max(r["size"] for r in before) > 5  # a burst of 40 fills batches beyond 5
 
     status, url, _ = admin_session.post_form(
@@ -159,7 +159,7 @@ def check_max_batch_size_of_5_is_obeyed(
     time.sleep(max(0.0, 2.0 - (time.monotonic() - saved)))
     known = {r["batch_id"] for r in before}
     burst(ops, 15, "after")
-    records = [json.loads(r) for r in aggregator.recent_batches()]
+    records = [json.loads(r) for r in aggregator.batch_log.recent()]
     after = [r for r in records if r["batch_id"] not in known]
     assert sum(r["size"] for r in after) == 15
     assert max(r["size"] for r in after) <= 5, [r["size"] for r in after]
@@ -174,7 +174,7 @@ def check_max_batch_size_of_5_is_obeyed(
 def test_metrics_totals_across_processes_and_workers(ops: Stack) -> None:
     before = scrape(ops)
     aggregator = aggregator_of(ops)
-    known = {json.loads(r)["batch_id"] for r in aggregator.recent_batches()}
+    known = {json.loads(r)["batch_id"] for r in aggregator.batch_log.recent()}
     ok, bad = 60, 7
     burst(ops, ok, "metrics")
     for _ in range(bad):
@@ -198,7 +198,9 @@ def test_metrics_totals_across_processes_and_workers(ops: Stack) -> None:
     assert len(files) >= 2, files
 
     new_batches = [
-        json.loads(r) for r in aggregator.recent_batches() if json.loads(r)["batch_id"] not in known
+        json.loads(r)
+        for r in aggregator.batch_log.recent()
+        if json.loads(r)["batch_id"] not in known
     ]
     worker = new_batches[0]["worker"]
     assert delta("sampling_batch_size_count", worker=worker) == len(new_batches)

@@ -45,7 +45,7 @@ def sampled_items(stack: Stack) -> int:
     aggregator = BatchAggregator(
         redis.Redis.from_url(stack.env["REDIS_URL"]), stack.env["SAMPLING_QUEUE"]
     )
-    return sum(json.loads(raw)["size"] for raw in aggregator.recent_batches())
+    return sum(json.loads(raw)["size"] for raw in aggregator.batch_log.recent())
 
 
 def counted_in_stats(stack: Stack) -> tuple[int, int]:

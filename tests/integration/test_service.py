@@ -48,7 +48,7 @@ def batch_records(stack: Stack) -> list[dict[str, Any]]:
     aggregator = BatchAggregator(
         redis.Redis.from_url(stack.env["REDIS_URL"]), stack.env["SAMPLING_QUEUE"]
     )
-    return [json.loads(raw) for raw in aggregator.recent_batches()]
+    return [json.loads(raw) for raw in aggregator.batch_log.recent()]
 
 
 def test_round_trip(service: Stack) -> None:

@@ -62,7 +62,7 @@ def test_a_higher_tier_is_served_ahead_of_a_lower_tiers_backlog(tiered: Stack) -
     client = redis.Redis.from_url(tiered.env["REDIS_URL"])
     aggregator = BatchAggregator(client, tiered.env["SAMPLING_QUEUE"])
     free_lane = LaneKeys.of(aggregator.shards[0], STARTING_TIERS["free"])
-    seen = {json.loads(raw)["batch_id"] for raw in aggregator.recent_batches()}
+    seen = {json.loads(raw)["batch_id"] for raw in aggregator.batch_log.recent()}
 
     def send(tier: str, index: int) -> tuple[str, int, str, float]:
         prompt = f"{tier} {index}"
@@ -85,7 +85,7 @@ def test_a_higher_tier_is_served_ahead_of_a_lower_tiers_backlog(tiered: Stack) -
             assert (status, body) == (200, expected_completion(prompt)), tier
     # The enterprise batch went ahead of the free batches still waiting: at most the call
     # running when it came and the one its worker held ran before it.
-    records = [json.loads(raw) for raw in reversed(aggregator.recent_batches())]
+    records = [json.loads(raw) for raw in reversed(aggregator.batch_log.recent())]
     order = [r["lane"] for r in records if r["batch_id"] not in seen and r["size"] == BATCH]
     assert order.count(STARTING_TIERS["enterprise"]) == 1, order
     assert order.index(STARTING_TIERS["enterprise"]) <= 2, order

@@ -91,7 +91,7 @@ def held_by(pid: int, commands: list[tuple[int, str]], handover_due: str) -> boo
 
 def live_workers(stack: Stack) -> int:
     client = redis.Redis.from_url(stack.env["REDIS_URL"])
-    return BatchAggregator(client, stack.env["SAMPLING_QUEUE"]).live_workers()
+    return BatchAggregator(client, stack.env["SAMPLING_QUEUE"]).workers.live_count()
 
 
 def test_a_hung_call_is_answered_502_at_the_timeout_and_its_worker_leaves(
@@ -152,8 +152,8 @@ def test_a_worker_whose_calls_fail_in_a_row_leaves_admission_and_says_why(
         # Each failing batch is answered at once, the last one too: no wait for a deadline.
         assert reply.status == 502, reply.body
     assert worker.wait(timeout=5) == EXIT_UNHEALTHY_GPU
-    assert aggregator.live_workers() == 0
-    (info,) = [info for _, info in aggregator.worker_infos(0)]
+    assert aggregator.workers.live_count() == 0
+    (info,) = [info for _, info in aggregator.workers.infos(0)]
     assert info["state"] == "unhealthy"
     assert stack.log_dir is not None
     log = (stack.log_dir / "worker-cpu.log").read_text()

@@ -9,13 +9,13 @@ from collections import deque
 import redis
 
 from batching import admission
-from batching.aggregator import AdmissionInputs, BatchAggregator
+from batching.admission import AdmissionInputs
+from batching.aggregator import BatchAggregator
 from planning import simulation
 from tests.support import unique_queue
 
 DEADLINE_MS = 500
-# Opening ages (ms before now) well inside and well outside the admission window (a deadline),
-# so that the few ms between writing the state and running the script cannot matter.
+# Opening ages (ms before now) well inside and well outside the admission window (a deadline).
 FRESH_AGES = (350, 300, 250, 200, 150, 100, 50)
 STALE_AGES = (1500, 900)
 
@@ -33,7 +33,7 @@ def lua_decision(
     if open_queued:
         client.set(keys.open_batch, f"b{len(ages) - 1} {now_ms - ages[-1]} 100")
     # What a worker's heartbeat gives every shard; the request only reads the outcome.
-    aggregator.refresh_admission(AdmissionInputs(workers=workers, turn_ms=turn_ms))
+    aggregator.refresh_admission(AdmissionInputs(workers=workers, turn_ms=turn_ms), now_ms=now_ms)
     ticket = aggregator.append("p", DEADLINE_MS)
     return ticket.rejected, ticket.predicted_ms
 

@@ -12,15 +12,12 @@ import redis
 from redis.crc import key_slot
 
 from batching import admission
-from batching.aggregator import (
-    ADMISSION_REFRESH_S,
-    DISPATCH_GRACE_MS,
-    AdmissionInputs,
-    BatchAggregator,
-    Ticket,
-)
+from batching.admission import AdmissionInputs
+from batching.aggregator import ADMISSION_REFRESH_S, DISPATCH_GRACE_MS, BatchAggregator
+from batching.items import Ticket
 from batching.keys import tag_of
 from tests.support import unique_queue
+from tests.support.clocks import SetClock, redis_ms
 
 
 @pytest.fixture
@@ -155,9 +152,19 @@ def joined(aggregator: BatchAggregator, budget_ms: int) -> Ticket:
     return ticket
 
 
-def another_process(aggregator: BatchAggregator, max_batch_size: int = 100) -> BatchAggregator:
+def another_process(
+    aggregator: BatchAggregator, max_batch_size: int = 100, monotonic: SetClock | None = None
+) -> BatchAggregator:
     """An aggregator of the same queue that has read no admission figure yet."""
-    return BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=max_batch_size)
+    return BatchAggregator(
+        aggregator.client,
+        aggregator.queue,
+        max_batch_size=max_batch_size,
+        monotonic=monotonic or time.monotonic,
+    )
+
+
+GRACE_MS = DISPATCH_GRACE_MS
 
 
 def test_admission_refuses_only_a_backlog_that_cannot_meet_the_deadline(
@@ -172,7 +179,8 @@ def test_admission_refuses_only_a_backlog_that_cannot_meet_the_deadline(
     open_batch = aggregator.open_batch_id()
     assert open_batch is not None
     aggregator.seal(open_batch)
-    backlog = another_process(aggregator, max_batch_size=1)
+    clock = SetClock()
+    backlog = another_process(aggregator, max_batch_size=1, monotonic=clock)
     for _ in range(4):
         assert not joined(backlog, 500).rejected
     # 4 batches unsealed, 1 worker: the next batch would wait for them and for the call
@@ -185,7 +193,7 @@ def test_admission_refuses_only_a_backlog_that_cannot_meet_the_deadline(
     # The process that filled the backlog read the figure before its last batch counted: it
     # admits requests until it reads the figure again (with a push, ADMISSION_REFRESH_S after
     # its last read), and refuses the next.
-    time.sleep(ADMISSION_REFRESH_S)
+    clock.skew_s += 2 * ADMISSION_REFRESH_S
     assert not joined(backlog, 500).rejected
     assert joined(backlog, 500).rejected
     # Two workers halve the prediction.
@@ -220,12 +228,12 @@ def test_shards_spread_requests_and_keep_their_own_batches(redis_client: redis.R
 
 
 def test_heartbeats_count_live_workers(aggregator: BatchAggregator) -> None:
-    assert aggregator.live_workers() == 0
-    assert aggregator.heartbeat("gpu0") == 1
-    assert aggregator.heartbeat("gpu1") == 2
-    assert aggregator.heartbeat("gpu0") == 2
-    aggregator.forget_worker("gpu0")
-    assert aggregator.live_workers() == 1
+    assert aggregator.workers.live_count() == 0
+    assert aggregator.workers.heartbeat("gpu0") == 1
+    assert aggregator.workers.heartbeat("gpu1") == 2
+    assert aggregator.workers.heartbeat("gpu0") == 2
+    aggregator.workers.forget("gpu0")
+    assert aggregator.workers.live_count() == 1
 
 
 def test_max_batch_size_is_bounded(redis_client: redis.Redis) -> None:
@@ -247,48 +255,47 @@ def test_a_batch_whose_send_is_not_confirmed_is_handed_over_once(
 ) -> None:
     """The opener died between its append and its Celery send: after DISPATCH_GRACE_MS a
     worker's scan is told to send the batch's task, and only that one."""
-    orphan = aggregator.append("joined a batch no task will seal", 500)
+    now = redis_ms(aggregator.client)
+    orphan = aggregator.append("joined a batch no task will seal", 500, now_ms=now)
     assert orphan.opened
-    assert aggregator.take_due_handovers() == []  # too soon to tell
-    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    assert aggregator.take_due_handovers() == [orphan.batch_id]
-    assert aggregator.take_due_handovers() == []  # re-armed for the taker
-    aggregator.dispatched(orphan.batch_id)  # the taker's send went through
-    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    assert aggregator.take_due_handovers() == []
+    assert aggregator.take_due_handovers(now_ms=now + GRACE_MS - 1) == []  # too soon to tell
+    assert aggregator.take_due_handovers(now_ms=now + GRACE_MS) == [orphan.batch_id]
+    assert aggregator.take_due_handovers(now_ms=now + GRACE_MS) == []  # re-armed for the taker
+    aggregator.dispatched(orphan.batch_id, now_ms=now + GRACE_MS)  # the taker's send went through
+    assert aggregator.take_due_handovers(now_ms=now + 3 * GRACE_MS) == []
 
 
 def test_a_seal_takes_the_batches_due_for_a_hand_over(aggregator: BatchAggregator) -> None:
     """Under load a worker seals often: its seal takes the shard's due hand-overs, so no
     scan is needed."""
     full = BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=1)
-    orphan = full.append("in a batch whose task was never sent", 500)
-    running = full.append("in the next batch, sealed by a worker", 500)
-    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    assert full.seal(running.batch_id).handovers == [orphan.batch_id]
-    assert aggregator.take_due_handovers() == []  # taken by the seal
+    now = redis_ms(aggregator.client)
+    orphan = full.append("in a batch whose task was never sent", 500, now_ms=now)
+    running = full.append("in the next batch, sealed by a worker", 500, now_ms=now)
+    assert full.seal(running.batch_id, now_ms=now + GRACE_MS).handovers == [orphan.batch_id]
+    assert aggregator.take_due_handovers(now_ms=now + GRACE_MS) == []  # taken by the seal
 
 
 def test_a_confirmed_or_sealed_batch_is_never_handed_over(aggregator: BatchAggregator) -> None:
-    confirmed = aggregator.append("p", 500)
-    aggregator.dispatched(confirmed.batch_id)
-    aggregator.seal(confirmed.batch_id)
-    unconfirmed = aggregator.append("p", 500)  # sealed by a worker before any confirmation
-    aggregator.seal(unconfirmed.batch_id)
-    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    assert aggregator.take_due_handovers() == []
+    now = redis_ms(aggregator.client)
+    confirmed = aggregator.append("p", 500, now_ms=now)
+    aggregator.dispatched(confirmed.batch_id, now_ms=now)
+    aggregator.seal(confirmed.batch_id, now_ms=now)
+    unconfirmed = aggregator.append("p", 500, now_ms=now)  # sealed before any confirmation
+    aggregator.seal(unconfirmed.batch_id, now_ms=now)
+    assert aggregator.take_due_handovers(now_ms=now + GRACE_MS) == []
 
 
 def test_an_abandoned_batch_takes_no_more_members(aggregator: BatchAggregator) -> None:
-    first = aggregator.append("p0", 500)
-    aggregator.append("p1", 500)
-    assert aggregator.abandon(first.batch_id) == 2
-    after = aggregator.append("p2", 500)
+    now = redis_ms(aggregator.client)
+    first = aggregator.append("p0", 500, now_ms=now)
+    aggregator.append("p1", 500, now_ms=now)
+    assert aggregator.abandon(first.batch_id, now_ms=now) == 2
+    after = aggregator.append("p2", 500, now_ms=now)
     assert after.opened
     assert after.batch_id != first.batch_id
-    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
     # Only the batch still waiting for its send is handed over; the abandoned one is no one's.
-    assert aggregator.take_due_handovers() == [after.batch_id]
+    assert aggregator.take_due_handovers(now_ms=now + GRACE_MS) == [after.batch_id]
 
 
 def test_a_held_batch_its_worker_does_not_seal_is_handed_over_once(
@@ -297,27 +304,26 @@ def test_a_held_batch_its_worker_does_not_seal_is_handed_over_once(
     """A worker received the batch's task ahead of its seal and died: a grace after the seal
     it expected, another worker's scan is told to send the task again; once, since the
     holder may only be slow, and a second send queues like any task."""
-    held = aggregator.append("held by a worker that dies", 5000)
-    aggregator.dispatched(held.batch_id)  # sent: no hand-over for the dispatch
-    assert aggregator.hold(held.batch_id, seal_in_ms=50)
+    now = redis_ms(aggregator.client)
+    held = aggregator.append("held by a worker that dies", 5000, now_ms=now)
+    aggregator.dispatched(held.batch_id, now_ms=now)  # sent: no hand-over for the dispatch
+    assert aggregator.hold(held.batch_id, seal_in_ms=50, now_ms=now)
     # A late confirmation of the dispatch cannot cancel the hold.
-    aggregator.dispatched(held.batch_id)
-    time.sleep((50 + DISPATCH_GRACE_MS) / 1000 - 0.05)
-    assert aggregator.take_due_handovers() == []  # before the grace
-    time.sleep(0.07)
-    assert aggregator.take_due_handovers() == [held.batch_id]
-    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    assert aggregator.take_due_handovers() == []
+    aggregator.dispatched(held.batch_id, now_ms=now + 10)
+    due = now + 50 + GRACE_MS
+    assert aggregator.take_due_handovers(now_ms=due - 1) == []  # before the grace
+    assert aggregator.take_due_handovers(now_ms=due) == [held.batch_id]
+    assert aggregator.take_due_handovers(now_ms=due + GRACE_MS) == []
 
 
 def test_a_sealed_batch_is_neither_held_nor_handed_over(aggregator: BatchAggregator) -> None:
-    held = aggregator.append("sealed in time", 5000)
-    aggregator.dispatched(held.batch_id)
-    assert aggregator.hold(held.batch_id, seal_in_ms=0)
-    assert aggregator.seal(held.batch_id).items  # its worker sealed it
-    assert not aggregator.hold(held.batch_id, seal_in_ms=0)  # nothing left to hold
-    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.02)
-    assert aggregator.take_due_handovers() == []
+    now = redis_ms(aggregator.client)
+    held = aggregator.append("sealed in time", 5000, now_ms=now)
+    aggregator.dispatched(held.batch_id, now_ms=now)
+    assert aggregator.hold(held.batch_id, seal_in_ms=0, now_ms=now)
+    assert aggregator.seal(held.batch_id, now_ms=now).items  # its worker sealed it
+    assert not aggregator.hold(held.batch_id, seal_in_ms=0, now_ms=now)  # nothing left to hold
+    assert aggregator.take_due_handovers(now_ms=now + GRACE_MS) == []
 
 
 def test_an_append_survives_a_pooled_connection_that_redis_closed(redis_url: str) -> None:
@@ -349,17 +355,19 @@ def test_an_error_inside_the_append_is_raised_and_its_connection_stays_usable(
 
 
 class SlowToSend(redis.Redis):
-    """A client whose first script call waits before it reaches Redis, as a first round trip
-    that connects and loads the script on busy cores does."""
+    """A client whose first script call takes `delay_s` longer before it reaches Redis, as a
+    first round trip that connects and loads the script on busy cores does: the process's
+    clock moves on by `delay_s` while the node's does not."""
 
-    def __init__(self, url: str, delay_s: float) -> None:
+    def __init__(self, url: str, delay_s: float, clock: SetClock) -> None:
         pool = redis.ConnectionPool.from_url(url)
         super().__init__(connection_pool=pool)
         self.delay_s = delay_s
+        self.clock = clock
 
     def evalsha(self, *args: Any, **kwargs: Any) -> Any:
         delay_s, self.delay_s = self.delay_s, 0.0
-        time.sleep(delay_s)
+        self.clock.skew_s += delay_s
         return super().evalsha(*args, **kwargs)
 
 
@@ -367,8 +375,9 @@ def test_a_deadline_is_never_later_than_its_budget_in_redis_time(redis_url: str)
     """A web process's estimate of the node's time is never ahead of it, even when its first
     TIME round trip was slow: else an item's deadline lay past its budget and a worker would
     sample it after its request had given up."""
-    client = SlowToSend(redis_url, delay_s=0.2)
-    aggregator = BatchAggregator(client, unique_queue("clock"), deadline_ms=500)
+    clock = SetClock(frozen=False)
+    client = SlowToSend(redis_url, delay_s=0.2, clock=clock)
+    aggregator = BatchAggregator(client, unique_queue("clock"), deadline_ms=500, monotonic=clock)
     for budget_ms in (0, 80):
         ticket = aggregator.append(f"budget {budget_ms}", budget_ms)
         seconds, micros = redis.Redis.from_url(redis_url).time()

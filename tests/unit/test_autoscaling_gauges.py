@@ -88,7 +88,7 @@ def test_gauges_match_the_hand_calculation(
     feed(redis_client, queue, policy=policy, **traffic)
     aggregator = BatchAggregator(redis_client, queue, max_batch_size=policy.max_batch_size)
     for index in range(live):
-        aggregator.heartbeat(f"worker-{index}")
+        aggregator.workers.heartbeat(f"worker-{index}")
     assert gauges(redis_client, queue, policy) == {
         "sampling_gpus_recommended": by_hand,
         "sampling_gpus_live": live,
@@ -98,8 +98,8 @@ def test_gauges_match_the_hand_calculation(
 def test_a_worker_that_leaves_leaves_the_live_gauge(redis_client: redis.Redis) -> None:
     queue, policy = unique_queue("gauges"), Policy()
     aggregator = BatchAggregator(redis_client, queue)
-    aggregator.heartbeat("staying")
-    aggregator.heartbeat("leaving")
+    aggregator.workers.heartbeat("staying")
+    aggregator.workers.heartbeat("leaving")
     assert gauges(redis_client, queue, policy)["sampling_gpus_live"] == 2
-    aggregator.forget_worker("leaving")  # as a worker stopping says so
+    aggregator.workers.forget("leaving")  # as a worker stopping says so
     assert gauges(redis_client, queue, policy)["sampling_gpus_live"] == 1

@@ -9,10 +9,11 @@ from dataclasses import replace
 import redis
 
 from batching import cache
-from batching.aggregator import BatchAggregator, RateCounter
+from batching.aggregator import BatchAggregator
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
+from batching.ratelimit import RateCounter
 from tests.support import unique_queue
 
 ON = Policy(response_cache=True, temperature=0.0)

@@ -23,7 +23,7 @@ def test_fixed_scenario_matches_the_hand_calculation(redis_client: redis.Redis) 
     gpus = [f"gpu{i}@node" for i in range(25)]
     aggregator = BatchAggregator(redis_client, queue)
     for gpu in gpus:
-        aggregator.heartbeat(gpu)
+        aggregator.workers.heartbeat(gpu)
     with redis_client.pipeline(transaction=False) as pipe:
         for second in range(int(now) - 60, int(now)):
             per_second = stats.merge(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import redis
 
-from batching.aggregator import BatchAggregator, _parse_item, item_of
+from batching.aggregator import BatchAggregator
 from batching.generation import (
     Completion,
     FinishReason,
@@ -15,6 +15,7 @@ from batching.generation import (
     cut_at_stop,
     render_chat_plain,
 )
+from batching.items import item_of, parse_item
 from batching.outcomes import ItemOutcome
 from batching.policy import GenerationSettings
 from tests.support import unique_queue
@@ -42,7 +43,7 @@ def test_a_request_survives_its_wire_format() -> None:
     ]
     for request in requests:
         assert SampleRequest.from_json(request.to_json()) == request
-        parsed = _parse_item(item_of(1234, request).encode())
+        parsed = parse_item(item_of(1234, request).encode())
         assert (parsed.deadline_ms, parsed.prompt, parsed.request) == (1234, "", request)
 
 
@@ -50,7 +51,7 @@ def test_a_sample_prompt_keeps_its_bare_format_whatever_it_contains() -> None:
     for prompt in ("E equals ", "a: b", ":leading colon", '{"prompt": "json"}', " x", ""):
         item = item_of(99, prompt)
         assert item == f"99 {prompt}"
-        parsed = _parse_item(item.encode())
+        parsed = parse_item(item.encode())
         assert (parsed.deadline_ms, parsed.prompt, parsed.request) == (99, prompt, None)
 
 

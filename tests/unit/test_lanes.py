@@ -3,21 +3,17 @@ of lane, the hand-over of a task's batch when its seal chose another, and admiss
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import redis
 
 from batching import admission
-from batching.aggregator import (
-    HOLD_LATE_FACTOR,
-    SHARE_WEIGHT,
-    AdmissionInputs,
-    BatchAggregator,
-    Item,
-)
+from batching.admission import AdmissionInputs
+from batching.aggregator import BatchAggregator
+from batching.items import Item
+from batching.lanes import HOLD_LATE_FACTOR, SHARE_WEIGHT
 from batching.protocol import PRIORITY_STEPS, UNKNOWN_LANE, task_priority
 from tests.support import unique_queue
+from tests.support.clocks import redis_ms
 
 HIGH, LOW = 30, 10
 
@@ -29,13 +25,16 @@ def aggregator(redis_client: redis.Redis) -> BatchAggregator:
     )
 
 
-def fill(aggregator: BatchAggregator, lane: int, count: int, tag: str = "") -> list[str]:
-    """`count` requests of `lane`; the batch ids they joined, each opener's dispatch confirmed."""
+def fill(
+    aggregator: BatchAggregator, lane: int, count: int, tag: str = "", now_ms: int | None = None
+) -> list[str]:
+    """`count` requests of `lane` (at `now_ms`; None: the node's time); the batch ids they
+    joined, each opener's dispatch confirmed."""
     batch_ids = []
     for index in range(count):
-        ticket = aggregator.append(f"{tag or lane}-{index}", 60_000, lane=lane)
+        ticket = aggregator.append(f"{tag or lane}-{index}", 60_000, lane=lane, now_ms=now_ms)
         if ticket.opened:
-            aggregator.dispatched(ticket.batch_id, lane)
+            aggregator.dispatched(ticket.batch_id, lane, now_ms=now_ms)
         batch_ids.append(ticket.batch_id)
     return batch_ids
 
@@ -87,18 +86,22 @@ def test_a_held_partial_batch_waits_longer_while_a_lower_full_one_can_take_the_t
     """Past its hold, a higher lane's partial batch waits on (up to HOLD_LATE_FACTOR holds)
     while a lower lane's full batch can use the turn whole; with none, it goes at its hold."""
     aggregator.configure(max_batch_size=3, deadline_ms=4000)
-    hold_s = aggregator.hold_ms / 1000
-    high = fill(aggregator, HIGH, 1)[0]
-    low = fill(aggregator, LOW, 3)[0]  # full
-    time.sleep(hold_s * (1 + HOLD_LATE_FACTOR) / 2)  # past the hold, short of the late one
-    assert aggregator.seal(low, lane=LOW).batch_id == low
-    partial_low = fill(aggregator, LOW, 1, tag="partial")[0]  # no full batch below now
-    assert aggregator.seal(partial_low, lane=LOW).batch_id == high
+    hold = aggregator.hold_ms
+    start = redis_ms(aggregator.client)
+    high = fill(aggregator, HIGH, 1, now_ms=start)[0]
+    low = fill(aggregator, LOW, 3, now_ms=start)[0]  # full
+    now = start + round(hold * (1 + HOLD_LATE_FACTOR) / 2)  # past the hold, short of the late one
+    assert aggregator.seal(low, lane=LOW, now_ms=now).batch_id == low
+    partial_low = fill(aggregator, LOW, 1, tag="partial", now_ms=now)[0]  # no full batch below
+    assert aggregator.seal(partial_low, lane=LOW, now_ms=now).batch_id == high
     # Past the late hold, a higher partial batch goes before a lower full one.
-    later_high = fill(aggregator, HIGH, 1, tag="later")[0]
-    full_low = fill(aggregator, LOW, 3, tag="full")[0]
-    time.sleep(hold_s * HOLD_LATE_FACTOR + 0.1)
-    assert aggregator.seal(full_low, lane=LOW).batch_id == later_high
+    later_high = fill(aggregator, HIGH, 1, tag="later", now_ms=now)[0]
+    full_low = fill(aggregator, LOW, 3, tag="full", now_ms=now)[0]
+    just_short = now + round(hold * HOLD_LATE_FACTOR) - 1
+    assert aggregator.seal(full_low, lane=LOW, now_ms=just_short).batch_id == full_low
+    later_low = fill(aggregator, LOW, 3, tag="later", now_ms=now)[0]
+    late = now + round(hold * HOLD_LATE_FACTOR)
+    assert aggregator.seal(later_low, lane=LOW, now_ms=late).batch_id == later_high
 
 
 def test_with_nothing_ready_the_largest_open_batch_goes(aggregator: BatchAggregator) -> None:
@@ -164,12 +167,13 @@ def test_a_lower_lane_is_admitted_on_the_turns_the_lanes_above_leave_it(
     aggregator: BatchAggregator,
 ) -> None:
     inputs = AdmissionInputs(workers=1, turn_ms=100)
-    aggregator.refresh_admission(inputs)
-    fill(aggregator, LOW, 1)  # a low request waits in its open batch
+    now = redis_ms(aggregator.client)
+    aggregator.refresh_admission(inputs, now_ms=now)
+    fill(aggregator, LOW, 1, now_ms=now)  # a low request waits in its open batch
     claimed = 12
     for index in range(claimed):  # the high lane claims every turn with a full batch
-        own = fill(aggregator, HIGH, 3, tag=f"h{index}")[0]
-        assert aggregator.seal(own, inputs, lane=HIGH).lane == HIGH
+        own = fill(aggregator, HIGH, 3, tag=f"h{index}", now_ms=now)[0]
+        assert aggregator.seal(own, inputs, lane=HIGH, now_ms=now).lane == HIGH
     figures = aggregator.client.hgetall(aggregator.shards[0].admission)
     share = float(figures[f"share:{LOW}".encode()])
     assert share == pytest.approx((1 - SHARE_WEIGHT) ** claimed)
@@ -178,7 +182,7 @@ def test_a_lower_lane_is_admitted_on_the_turns_the_lanes_above_leave_it(
     # own call after the running one, and one turn to spare.
     interval = 100 / share
     expected = interval + (admission.WORST_CASE_EXTRA_TURNS + 1) * 100
-    assert float(figures[f"predicted:{LOW}".encode()]) == pytest.approx(expected, abs=5)
+    assert float(figures[f"predicted:{LOW}".encode()]) == pytest.approx(expected)
     assert float(figures[f"predicted:{HIGH}".encode()]) == 0  # no backlog
     other = BatchAggregator(aggregator.client, aggregator.queue, max_batch_size=3)
     assert other.append("too late", int(expected) - 10, lane=LOW).rejected
@@ -190,6 +194,7 @@ def test_a_lower_lane_is_admitted_on_the_turns_the_lanes_above_leave_it(
         return float(aggregator.client.hget(aggregator.shards[0].admission, name) or 0)
 
     while figure(f"share:{LOW}") < 0.9:
-        aggregator.seal(fill(aggregator, LOW, 1, tag="light")[0], inputs, lane=LOW)
+        light = fill(aggregator, LOW, 1, tag="light", now_ms=now)[0]
+        aggregator.seal(light, inputs, lane=LOW, now_ms=now)
     spare = (admission.WORST_CASE_EXTRA_TURNS + 1) * 100
     assert figure(f"predicted:{LOW}") == pytest.approx(100 / figure(f"share:{LOW}") + spare)

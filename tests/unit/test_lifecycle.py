@@ -52,13 +52,13 @@ def test_the_worker_heartbeats_while_it_runs_and_says_goodbye_on_a_warm_stop(
 ) -> None:
     life, exits, _ = worker
     life.start()
-    wait_until(lambda: life.aggregator.live_workers() == 1, 2, "the first heartbeat")
+    wait_until(lambda: life.aggregator.workers.live_count() == 1, 2, "the first heartbeat")
     wait_until(lambda: life.heartbeat.runs >= 3, 2, "heartbeats once an interval")
     assert info_of(life)["state"] == "idle"
     life.stop()
     assert not life.heartbeat.running
     assert not life.handover.running
-    assert life.aggregator.live_workers() == 0
+    assert life.aggregator.workers.live_count() == 0
     assert info_of(life)["state"] == "stopped"
     assert exits.statuses == []
 
@@ -68,10 +68,10 @@ def test_a_worker_that_leaves_says_why_and_exits_with_its_status(
 ) -> None:
     life, exits, _ = worker
     life.start()
-    wait_until(lambda: life.aggregator.live_workers() == 1, 2, "the first heartbeat")
+    wait_until(lambda: life.aggregator.workers.live_count() == 1, 2, "the first heartbeat")
     life.leave("hung", EXIT_HUNG_CALL)
     assert exits.statuses == [EXIT_HUNG_CALL]
-    assert life.aggregator.live_workers() == 0
+    assert life.aggregator.workers.live_count() == 0
     assert info_of(life)["state"] == "hung"
     life.stop()  # Celery's shutdown signal afterwards: nothing more to do
     assert info_of(life)["state"] == "hung"

@@ -124,8 +124,8 @@ def test_every_batch_is_answered_in_order_and_recorded(harness: MakeHarness) -> 
         (batch_id, [[ItemOutcome.OK, f"A{i}"], [ItemOutcome.OK, f"B{i}"]])
         for i, batch_id in enumerate(batches)
     ]
-    wait_until(lambda: len(h.aggregator.recent_batches()) >= 3, 5, "3 batch records")
-    records = [json.loads(raw) for raw in h.aggregator.recent_batches()]
+    wait_until(lambda: len(h.aggregator.batch_log.recent()) >= 3, 5, "3 batch records")
+    records = [json.loads(raw) for raw in h.aggregator.batch_log.recent()]
     assert sorted(r["batch_id"] for r in records) == sorted(batches)
 
 

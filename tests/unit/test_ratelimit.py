@@ -9,9 +9,10 @@ import redis
 
 from batching import ratelimit
 from batching.access import Caller
-from batching.aggregator import BatchAggregator, RateCounter
+from batching.aggregator import BatchAggregator
 from batching.generation import SampleRequest
 from batching.keys import AccessKeys
+from batching.ratelimit import RateCounter
 from tests.support import unique_queue
 
 WINDOW_START = 1_000 * ratelimit.WINDOW_S  # a window's first second

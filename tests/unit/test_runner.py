@@ -56,7 +56,7 @@ def test_results_are_aligned_with_items(aggregator: BatchAggregator) -> None:
         [ItemOutcome.OK, f"PROMPT {i}"] for i in range(5)
     ]
     assert sampler.calls == [[f"prompt {i}" for i in range(5)]]
-    record = json.loads(aggregator.recent_batches(1)[0])
+    record = json.loads(aggregator.batch_log.recent(1)[0])
     assert (record["size"], record["ok"], record["expired"], record["worker"]) == (5, 5, 0, "w")
 
 
@@ -114,7 +114,7 @@ def test_estimate_follows_measured_calls(aggregator: BatchAggregator) -> None:
     runner = BatchRunner(aggregator, SimulatedSampler(batch_ms=30), "w")
     runner.warm_up()
     assert 25 <= runner.estimate_ms < 80
-    assert aggregator.published_turn_ms() == round(runner.estimate_ms)
+    assert aggregator.batch_log.published_turn_ms() == round(runner.estimate_ms)
     ticket = aggregator.append("E equals ", 5000)
     assert run(runner, ticket.batch_id) == [[ItemOutcome.OK, expected_completion("E equals ")]]
     assert runner.batches == 1
@@ -154,7 +154,7 @@ def test_a_batch_opened_under_a_larger_max_runs_in_calls_of_the_new_max(
     results = run(runner, tickets[0].batch_id)
     assert [len(call) for call in sampler.calls] == [5, 5, 2]
     assert results == [[ItemOutcome.OK, f"P{i}"] for i in range(12)]
-    record = json.loads(aggregator.recent_batches(1)[0])
+    record = json.loads(aggregator.batch_log.recent(1)[0])
     assert (record["size"], record["max_batch_size"]) == (12, 5)
 
 
@@ -204,10 +204,10 @@ def test_a_worker_that_cannot_say_goodbye_says_why(
 ) -> None:
     from workers.lifecycle import say_goodbye
 
-    aggregator.heartbeat("w")
+    aggregator.workers.heartbeat("w")
     runner = BatchRunner(aggregator, RecordingSampler(), "w")
     say_goodbye(runner)
-    assert aggregator.live_workers() == 0
+    assert aggregator.workers.live_count() == 0
     dead = BatchAggregator(redis.Redis(port=1, socket_connect_timeout=0.2), aggregator.queue)
     with caplog.at_level("WARNING", logger="workers.lifecycle"):
         say_goodbye(BatchRunner(dead, RecordingSampler(), "w"))

@@ -1,0 +1,98 @@
+"""What a batch is made of, and what its callers get back: an item as a pending list holds it
+(one codec: `item_of` writes it, `parse_item` reads it), a request's ticket, a sealed batch,
+and the batches' ids."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+from dataclasses import dataclass, field
+
+from batching.generation import SampleRequest
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A request's place in a batch, or its refusal by admission control."""
+
+    batch_id: str
+    index: int
+    opened: bool
+    rejected: bool = False
+    predicted_ms: int = 0
+    counted: int = 0  # the rate counter after this request (0: none was raised)
+    cached: bytes | None = None  # the answer from the response cache (no batch joined)
+    lane: int = 0  # the lane (tier priority) of the batch joined
+
+
+@dataclass(frozen=True)
+class Item:
+    deadline_ms: int
+    prompt: str  # a /sample request's prompt ("" for a request with its own settings)
+    request: SampleRequest | None = None  # the prompt and settings of an API request
+    key_id: int = 0  # the API key it was sent with (0: anonymous), charged its tokens
+    cache: str = ""  # the digest its answer is cached under (batching.cache), "" for none
+
+
+@dataclass(frozen=True)
+class SealedBatch:
+    now_ms: int
+    opened_at_ms: int  # -1: no record of its opening (sealed already, or expired)
+    items: list[Item]
+    # Batches of the shard due for a hand-over, taken by this seal: the sealer sends their
+    # tasks again.
+    handovers: list[str] = field(default_factory=list)
+    # The batch sealed, whose members wait for these items' answers: the task's own, or the
+    # batch of a higher lane it chose ("": none, every batch of the shard sealed already).
+    batch_id: str = ""
+    lane: int = -1
+
+    @property
+    def sealed_before(self) -> bool:
+        """Nothing to answer: the task's batch was sealed by an earlier task (a duplicate sent
+        by a hand-over), or it expired, and the shard had no other batch waiting."""
+        return not self.batch_id and not self.items
+
+
+def item_of(deadline_ms: int, prompt: str | SampleRequest, key_id: int = 0, cache: str = "") -> str:
+    """An item as a pending list holds it: its deadline (Redis ms) and, for a keyed request,
+    "/<key id>", and for a request whose answer is to be cached "/<key id>/<digest>"; then a
+    space and the bare prompt of a /sample request (the queue's settings), or a colon and a
+    request's JSON."""
+    head = f"{deadline_ms}/{key_id}" if key_id or cache else str(deadline_ms)
+    if cache:
+        head += f"/{cache}"
+    if isinstance(prompt, str):
+        return f"{head} {prompt}"
+    return f"{head}:{prompt.to_json()}"
+
+
+def parse_item(raw: bytes) -> Item:
+    """The item that `item_of` wrote."""
+    space, colon = raw.find(b" "), raw.find(b":")
+    sample = colon < 0 or 0 <= space < colon  # the head is followed by one of the two
+    end = space if sample else colon
+    deadline, _, rest = raw[:end].partition(b"/")
+    key, _, digest = rest.partition(b"/")
+    key_id, cache = int(key) if key else 0, digest.decode()
+    if sample:
+        return Item(int(deadline), raw[space + 1 :].decode("utf-8"), key_id=key_id, cache=cache)
+    return Item(int(deadline), "", SampleRequest.from_json(raw[colon + 1 :]), key_id, cache)
+
+
+class BatchIds:
+    """Unique batch ids without uuid4's os.urandom call per request (~4% of a /sample's CPU):
+    96 random bits per process, then a counter. Drawn again in a forked child, which would
+    otherwise repeat its parent's ids."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._prefix = ""
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        if os.getpid() != self._pid:
+            self._pid, self._prefix = os.getpid(), secrets.token_hex(12)
+            self._count = itertools.count()
+        return f"{self._prefix}{next(self._count):x}"

@@ -1,0 +1,146 @@
+-- Functions shared by the aggregator's scripts, included by `-- #include common` (see
+-- batching/scripts.py). Not a script: it has no KEYS nor ARGV of its own. A name in double
+-- braces is a constant of Python's (batching/lanes.py SCRIPT_CONSTANTS), substituted when
+-- the script is loaded.
+
+-- now_ms(clock): the time in ms: `clock` when given (a test sets the time), else the node's
+-- TIME.
+local function now_ms(clock)
+  if clock and clock ~= '' then return tonumber(clock) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- open_batch(open pointer): the open batch's id, opening time (ms) and maximum size, or nil.
+local function open_batch(open_key)
+  local value = redis.call('GET', open_key)
+  if not value then return nil end
+  local bid, opened, max = string.match(value, '^(%S+) ?(%d*) ?(%d*)')
+  return bid, tonumber(opened) or 0, tonumber(max) or {{MAX_BATCH_SIZE}}
+end
+
+-- lane_key(shard prefix, name, lane): a lane's key, named as ShardKeys.lane_key names it.
+local function lane_key(prefix, name, lane)
+  if lane == 0 then return prefix .. ':' .. name end
+  return prefix .. ':' .. name .. ':' .. lane
+end
+
+-- lanes_of(shard prefix, now, keep ms): the shard's lanes used within `keep ms`, highest
+-- first; lane 0 always (the lanes' keys live on the shard's slot, built here from its prefix).
+local function lanes_of(prefix, now, keep_ms)
+  local lanes = {0}
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', prefix .. ':lanes', now - keep_ms,
+                                     '+inf')) do
+    local lane = tonumber(member)
+    if lane and lane > 0 then table.insert(lanes, lane) end
+  end
+  table.sort(lanes, function(a, b) return a > b end)
+  return lanes
+end
+
+-- predicted_ms(ahead, workers, turn ms): batching.admission.predicted_ms, in Lua: nil where
+-- the Python one returns None. Lua numbers are doubles; ahead and workers are integers.
+local function predicted_ms(ahead, workers, turn_ms)
+  if workers <= 0 or turn_ms <= 0 or ahead < workers then return nil end
+  return (math.floor(ahead / workers) + {{WORST_CASE_EXTRA_TURNS}}) * turn_ms
+end
+
+-- refresh_admission(shard prefix, lanes, admission hash, now): recompute the figure a request
+-- of each lane reads, `predicted` (lane 0) or `predicted:<lane>` (ms until a batch joined now
+-- would finish; 0: admit), from the inputs the workers keep in the admission hash (none: admit
+-- everything). Run when a batch closes or is sealed, and on every heartbeat: never per
+-- request. A lane's backlog is this shard's closed batches of its lane and the lanes above
+-- opened within the window, times the shards (requests are spread evenly over them, and the
+-- workers take every shard's batches from one queue), and the other shards' open batches of
+-- those lanes; not its own open batch, which a newcomer joins.
+--
+-- Below the highest lane, the lanes above keep sending batches that go first, so the backlog
+-- alone admits requests that then wait past their deadline. There a lane gets the turns the
+-- lanes above leave it: its share of the shard's recent turns (`share:<lane>`, kept by the
+-- seals; a turn counts for every lane when no lane claimed it with a ready batch), one every
+-- turn x shards / workers / share ms. Its next turn is due that long after its last one
+-- (`avail_at:<lane>`), its closed batches take one such interval each, and the newcomer's
+-- batch then runs its own call after the running one, with one turn to spare for the figure's
+-- age: a newcomer that cannot be answered in time is refused at once. At light load every
+-- turn is every lane's (share 1), and the figure is the backlog's.
+-- Returns lane 0's figure.
+local function refresh_admission(prefix, lanes, admission_key, now)
+  local inputs = redis.call('HMGET', admission_key, 'workers', 'turn_ms', 'shards', 'window_ms')
+  local workers = tonumber(inputs[1])
+  if not workers then return 0 end
+  local turn_ms, shards, window_ms = tonumber(inputs[2]), tonumber(inputs[3]), tonumber(inputs[4])
+  local since = now - window_ms
+  local ahead, lane_zero = 0, 0
+  for rank, lane in ipairs(lanes) do
+    local unsealed_key = lane_key(prefix, 'unsealed', lane)
+    local closed = redis.call('ZCOUNT', unsealed_key, since, '+inf')
+    ahead = ahead + closed * shards
+    if redis.call('EXISTS', lane_key(prefix, 'open', lane)) == 1 then
+      ahead = ahead + shards - 1
+    end
+    local predicted = predicted_ms(ahead, workers, turn_ms) or 0
+    if rank > 1 and workers > 0 then
+      local left = redis.call('HMGET', admission_key, 'share:' .. lane, 'avail_at:' .. lane)
+      local share = tonumber(left[1])
+      if share then
+        local interval = turn_ms * shards / workers / math.max(share, {{MIN_SHARE}})
+        local next_turn = math.max(now, (tonumber(left[2]) or now) + interval)
+        predicted = math.max(predicted, next_turn - now + closed * interval
+                                        + ({{WORST_CASE_EXTRA_TURNS}} + 1) * turn_ms)
+      end
+    end
+    if lane == 0 then
+      redis.call('HSET', admission_key, 'predicted', predicted)
+      lane_zero = predicted
+    else
+      redis.call('HSET', admission_key, 'predicted:' .. lane, predicted)
+    end
+  end
+  return lane_zero
+end
+
+-- set_admission_inputs(admission hash, workers, turn ms, shards, window ms, ttl ms): the
+-- workers' figures, kept while workers heartbeat (a shard whose workers are all gone admits
+-- everything, as a queue without workers does).
+local function set_admission_inputs(key, workers, turn_ms, shards, window_ms, ttl_ms)
+  redis.call('HSET', key, 'workers', workers, 'turn_ms', turn_ms, 'shards', shards,
+             'window_ms', window_ms)
+  redis.call('PEXPIRE', key, ttl_ms)
+end
+
+-- take_due(due key, shard prefix, lanes, sent key, batch prefix, now, grace ms, limit): the ids
+-- of up to `limit` batches due for a hand-over in zset `due key`, each taken by this caller
+-- alone. A lane's open batch is due once its dispatcher has not confirmed its send (`sent`)
+-- for a grace after it opened. A batch whose dispatch is not confirmed is re-armed (one caller
+-- at a time sends its task again, until it is confirmed or sealed); a held batch is taken
+-- once: its holder may only be slower than it expected (a call longer than its estimate), and
+-- a task sent again queues like any other. A member whose batch is gone (sealed, expired) is
+-- dropped.
+local function take_due(key, prefix, lanes, sent_key, batch_prefix, now, grace, limit)
+  local open_bids = {}
+  for _, lane in ipairs(lanes) do
+    local open_bid, opened = open_batch(lane_key(prefix, 'open', lane))
+    if open_bid then
+      open_bids[open_bid] = true
+      if opened + grace <= now and not redis.call('ZSCORE', sent_key, open_bid)
+         and not redis.call('ZSCORE', key, open_bid) then
+        redis.call('ZADD', key, now, open_bid)
+      end
+    end
+  end
+  local taken = {}
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', key, '-inf', now, 'LIMIT', 0, limit)) do
+    local due_bid = string.match(member, '^[^:]+')
+    if open_bids[due_bid] or redis.call('EXISTS', batch_prefix .. due_bid) == 1 then
+      table.insert(taken, due_bid)
+      if due_bid == member then
+        redis.call('ZADD', key, now + grace, member)
+      else
+        redis.call('ZREM', key, member)
+      end
+    else
+      redis.call('ZREM', key, member)
+    end
+  end
+  return taken
+end

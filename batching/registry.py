@@ -1,0 +1,66 @@
+"""The workers of a queue, as the web processes and the operators see them: heartbeats (in
+Redis time), the live count, each worker's last record, and a worker's goodbye."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis
+
+from batching import scripts
+from batching.keys import QueueKeys
+from batching.lanes import SCRIPT_CONSTANTS
+
+# A worker that has not heartbeated for this long is not counted (admission, /readyz).
+HEARTBEAT_TIMEOUT_MS = 5000
+
+
+class WorkerRegistry:
+    """The live workers of a queue (a zset of their last heartbeats) and their records."""
+
+    def __init__(self, client: redis.Redis, keys: QueueKeys) -> None:
+        self.client = client
+        self.keys = keys
+        self.script = scripts.register(client, "heartbeat", SCRIPT_CONSTANTS)
+
+    def heartbeat(self, worker: str, now_ms: int | None = None) -> int:
+        """Record a live worker and return the number of live workers of this queue (at
+        `now_ms`; None: the Redis node's time)."""
+        return self._heartbeat(worker, now_ms)
+
+    def live_count(self, now_ms: int | None = None) -> int:
+        """How many workers heartbeated within HEARTBEAT_TIMEOUT_MS."""
+        return self._heartbeat("", now_ms)
+
+    def _heartbeat(self, worker: str, now_ms: int | None) -> int:
+        args: list[str | int] = [worker, HEARTBEAT_TIMEOUT_MS]
+        if now_ms is not None:
+            args.append(now_ms)
+        return int(self.script(keys=[self.keys.live_workers], args=args))
+
+    def infos(self, since_s: float) -> list[tuple[str, dict[str, Any]]]:
+        """The queue's workers seen since `since_s` (epoch seconds), each with its last
+        heartbeat's record ({} when it expired or cannot be read): two round trips."""
+        names = [
+            name.decode()
+            for name in self.client.zrange(
+                self.keys.known_workers, int(since_s), "+inf", byscore=True
+            )
+        ]
+        if not names:
+            return []
+        raws = self.client.mget([self.keys.worker_info(name) for name in names])
+        return [(name, _worker_info(raw)) for name, raw in zip(names, raws, strict=True)]
+
+    def forget(self, worker: str) -> None:
+        """A stopping worker's goodbye: it is no longer counted live."""
+        self.client.zrem(self.keys.live_workers, worker)
+
+
+def _worker_info(raw: bytes | None) -> dict[str, Any]:
+    try:
+        info = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}

@@ -1,0 +1,60 @@
+"""The Lua scripts of batching/lua/ as the loader gives them to Redis: whole, and loadable."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import redis
+
+from batching import scripts
+from batching.keys import QueueKeys
+from batching.lanes import SCRIPT_CONSTANTS
+from batching.registry import WorkerRegistry
+from tests.support import unique_queue
+from tests.support.clocks import redis_ms
+
+SCRIPT_NAMES = sorted(path.stem for path in scripts.LUA_DIR.glob("*.lua") if path.stem != "common")
+
+
+def test_every_script_is_known() -> None:
+    assert SCRIPT_NAMES == [
+        "admission", "cached_append", "clock", "close", "heartbeat", "publish", "seal",
+        "take_due",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SCRIPT_NAMES)
+def test_a_script_has_no_marker_left_and_loads_in_redis(
+    name: str, redis_client: redis.Redis
+) -> None:
+    text = scripts.source(name, SCRIPT_CONSTANTS)
+    assert "{{" not in text
+    assert "}}" not in text
+    assert not re.search(r"^-- #include", text, re.MULTILINE)
+    assert re.search(r"^-- KEYS\[1\]", (scripts.LUA_DIR / f"{name}.lua").read_text(), re.MULTILINE)
+    sha = redis_client.script_load(text)
+    assert redis_client.script_exists(sha) == [True]
+
+
+def test_a_constant_without_a_value_is_an_error_when_loading() -> None:
+    with pytest.raises(ValueError, match=r"seal\.lua: no value for"):
+        scripts.source("seal", {})
+
+
+def test_the_constants_come_from_python() -> None:
+    text = scripts.source("seal", SCRIPT_CONSTANTS)
+    assert f"hold * {SCRIPT_CONSTANTS['HOLD_LATE_FACTOR']} or hold" in text
+    assert f"or {SCRIPT_CONSTANTS['MAX_BATCH_SIZE']}\n" in text
+
+
+def test_a_script_reads_a_set_clock_or_the_node_s(redis_client: redis.Redis) -> None:
+    clock = scripts.register(redis_client, "clock")
+    assert clock(keys=["k"], args=[1_234_567]) == [1234, 567_000]
+    seconds, _ = clock(keys=["k"])
+    assert abs(int(seconds) - redis_client.time()[0]) <= 1
+    workers = WorkerRegistry(redis_client, QueueKeys(unique_queue("clock")))
+    now = redis_ms(redis_client)
+    assert workers.heartbeat("gpu0", now_ms=now - 4000) == 1
+    assert workers.live_count() == 1  # the node's time: 4 s later, within the timeout
+    assert workers.live_count(now_ms=now + 1001) == 0  # 5,001 ms after its heartbeat
