@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -37,6 +38,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from redis.cluster import ClusterPipeline
 from redis.connection import parse_url
 
+from batching.answers import Answer, to_wire
 from batching.keys import ShardKeys, tag_of
 from batching.topology import is_cluster, redis_client
 
@@ -365,6 +367,17 @@ def queue_result(
     )
     meta["task_id"] = task_id
     _queue_store(pipe, backend, task_id, backend.encode(meta), expires_s)
+
+
+def queue_answers(
+    pipe: redis.client.Pipeline,
+    backend: RedisBackend,
+    batch_id: str,
+    answers: Sequence[Answer],
+    expires_s: float | None = None,
+) -> None:
+    """Queue a batch's answers as its task's result, in their wire format (batching.answers)."""
+    queue_result(pipe, backend, batch_id, to_wire(answers), expires_s=expires_s)
 
 
 def _queue_store(

@@ -33,7 +33,7 @@ from django.urls import resolve
 from inference_site.prometheus import record_direct
 
 # The views that need nothing of Django's middleware: every one is a csrf_exempt view of the
-# API (sampling.submission.counted), which reads no session, user or message.
+# API (sampling.wrappers.counted), which reads no session, user or message.
 DIRECT_PATHS = ("/sample", "/v1/completions", "/v1/chat/completions", "/api/inference")
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]

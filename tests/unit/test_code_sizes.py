@@ -19,7 +19,6 @@ STILL_TOO_LONG = {
     "batching/aggregator.py",
     "batching/admission.py",
     "batching/policy.py",
-    "sampling/api.py",
     "sampling/openapi.py:openapi_document",
     "workers/samplers/hf.py:__init__",
     "operations/charts.py:line_chart",
