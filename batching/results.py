@@ -27,7 +27,6 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -38,7 +37,6 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from redis.cluster import ClusterPipeline
 from redis.connection import parse_url
 
-from batching.answers import Answer, to_wire
 from batching.keys import ShardKeys, tag_of
 from batching.topology import is_cluster, redis_client
 
@@ -231,6 +229,12 @@ class ResultListener:
     def pending_count(self) -> int:
         return len(self._pending)
 
+    def waiting_on(self, task_id: str) -> int:
+        """How many waits of this process are on `task_id` now."""
+        with self.lock:
+            entry = self._pending.get(task_id)
+            return entry.waiters if entry is not None else 0
+
     def subscribe(self, channels: list[str]) -> None:
         """Subscribe to `channels` now (a web process's warm-up: its queue's shards), rather
         than on the first wait on each."""
@@ -367,17 +371,6 @@ def queue_result(
     )
     meta["task_id"] = task_id
     _queue_store(pipe, backend, task_id, backend.encode(meta), expires_s)
-
-
-def queue_answers(
-    pipe: redis.client.Pipeline,
-    backend: RedisBackend,
-    batch_id: str,
-    answers: Sequence[Answer],
-    expires_s: float | None = None,
-) -> None:
-    """Queue a batch's answers as its task's result, in their wire format (batching.answers)."""
-    queue_result(pipe, backend, batch_id, to_wire(answers), expires_s=expires_s)
 
 
 def _queue_store(

@@ -16,6 +16,12 @@ done here: the host checked against ALLOWED_HOSTS (400 as Django says it), Conte
 add, an exception answered as Django's handler answers it (logged on django.request, 500),
 and django-prometheus' HTTP metrics counted as its middlewares count them
 (inference_site.prometheus.record_direct).
+
+It stays rather than Django's handler with a shorter middleware list for these paths, since
+that would still pay the URL resolution and the request signals on every request. What it
+re-implements is held to Django's own answers by tests/unit/test_direct.py (a bad Host, the
+security headers, an exception's 500 and its log) and, through gunicorn, by
+tests/integration/test_service.py.
 """
 
 from __future__ import annotations

@@ -24,14 +24,14 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from batching import cache
 from batching.access import Caller
 from batching.aggregator import BatchAggregator, RateCounter, Ticket
-from batching.answers import Answer, from_wire
+from batching.answers import Answer, from_wire, to_wire
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome
 from batching.policy import PolicyWatcher
 from batching.problems import Failure, Problem
 from batching.protocol import RUN_BATCH_TASK, task_priority
 from batching.ratelimit import RateLimiter
-from batching.results import queue_answers
+from batching.results import queue_result
 from batching.stats import RequestStats
 from inference_site.celery import app as celery_app
 from sampling import metrics
@@ -229,7 +229,7 @@ def _abandon(process: RequestPath, batch_id: str, lane: int) -> None:
         backend = celery_app.backend
         assert isinstance(backend, RedisBackend)  # CELERY_RESULT_BACKEND is ours
         with process.client.pipeline(transaction=False) as pipe:
-            queue_answers(pipe, backend, batch_id, answers, expires_s=aggregator.ttl_s)
+            queue_result(pipe, backend, batch_id, to_wire(answers), expires_s=aggregator.ttl_s)
             pipe.execute()
     except Exception as exc:  # noqa: BLE001 - Redis down too: the members time out instead
         log.error("batch %s abandoned, its members not answered: %s", batch_id, exc)
