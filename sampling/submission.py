@@ -24,7 +24,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from batching import cache
 from batching.access import Caller
 from batching.aggregator import BatchAggregator, RateCounter, Ticket
-from batching.answers import Answer, from_wire, to_wire
+from batching.answers import Answer, to_wire
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome
 from batching.policy import PolicyWatcher
@@ -92,7 +92,7 @@ def submit(
         answers.cache = "hit" if hits == len(items) else "miss"
         process.stats.record_cache(hits, asked - hits)
         metrics.record_cache(hits, asked - hits)
-    batches: dict[str, list[Answer]] = {}  # several items may share a batch
+    batches: dict[str, list[Any]] = {}  # several items may share a batch: read once
     for ticket in tickets:
         answer = _wait(ticket, batches, deadline, deadline_ms)
         if isinstance(answer, Failure):
@@ -150,20 +150,20 @@ def _join(
 
 
 def _wait(
-    ticket: Ticket, batches: dict[str, list[Answer]], deadline: float, deadline_ms: int
+    ticket: Ticket, batches: dict[str, list[Any]], deadline: float, deadline_ms: int
 ) -> Answer | Failure:
     """The ticket's answer: from the response cache, or from its batch's result (read once
-    per batch into `batches`), within what is left of the deadline."""
+    per batch into `batches`, and only its own item decoded), within what is left of the
+    deadline."""
     if ticket.cached is not None:
         return Answer.from_json(ticket.cached)
     try:
         results = batches.get(ticket.batch_id)
         if results is None:
-            stored: Any = celery_app.AsyncResult(ticket.batch_id).get(
+            results = batches[ticket.batch_id] = celery_app.AsyncResult(ticket.batch_id).get(
                 timeout=max(0.0, deadline - time.monotonic())
             )
-            results = batches[ticket.batch_id] = from_wire(stored)
-        return results[ticket.index]
+        return Answer.from_wire(results[ticket.index])
     except CeleryTimeoutError:
         return Failure(Problem.DEADLINE, f"no completion within the {deadline_ms} ms deadline")
     except redis.RedisError as exc:  # the batch's Redis node went down while it waited
