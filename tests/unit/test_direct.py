@@ -12,7 +12,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from django.core import signals
 from django.core.wsgi import get_wsgi_application
+from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponse
 
 from inference_site.direct import DIRECT_PATHS, DirectRoutes
@@ -54,8 +56,14 @@ def environ(path: str, host: str = "localhost", method: str = "GET") -> dict[str
 
 
 @pytest.fixture
-def routes() -> DirectRoutes:
-    return DirectRoutes(get_wsgi_application())
+def routes() -> Iterator[DirectRoutes]:
+    # As Django's test Client does: the requests leave the test's database connection alone
+    # (they touch no database; closing a connection another test opened is not theirs to do).
+    signals.request_started.disconnect(close_old_connections)
+    signals.request_finished.disconnect(close_old_connections)
+    yield DirectRoutes(get_wsgi_application())
+    signals.request_started.connect(close_old_connections)
+    signals.request_finished.connect(close_old_connections)
 
 
 def with_view(routes: DirectRoutes, view: Callable[[HttpRequest], HttpResponse]) -> None:
