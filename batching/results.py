@@ -229,6 +229,12 @@ class ResultListener:
     def pending_count(self) -> int:
         return len(self._pending)
 
+    def waiting_on(self, task_id: str) -> int:
+        """How many waits of this process are on `task_id` now."""
+        with self.lock:
+            entry = self._pending.get(task_id)
+            return entry.waiters if entry is not None else 0
+
     def subscribe(self, channels: list[str]) -> None:
         """Subscribe to `channels` now (a web process's warm-up: its queue's shards), rather
         than on the first wait on each."""

@@ -16,6 +16,12 @@ done here: the host checked against ALLOWED_HOSTS (400 as Django says it), Conte
 add, an exception answered as Django's handler answers it (logged on django.request, 500),
 and django-prometheus' HTTP metrics counted as its middlewares count them
 (inference_site.prometheus.record_direct).
+
+It stays rather than Django's handler with a shorter middleware list for these paths, since
+that would still pay the URL resolution and the request signals on every request. What it
+re-implements is held to Django's own answers by tests/unit/test_direct.py (a bad Host, the
+security headers, an exception's 500 and its log) and, through gunicorn, by
+tests/integration/test_service.py.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from django.urls import resolve
 from inference_site.prometheus import record_direct
 
 # The views that need nothing of Django's middleware: every one is a csrf_exempt view of the
-# API (sampling.submission.counted), which reads no session, user or message.
+# API (sampling.wrappers.counted), which reads no session, user or message.
 DIRECT_PATHS = ("/sample", "/v1/completions", "/v1/chat/completions", "/api/inference")
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]

@@ -60,6 +60,26 @@ def _format(value: float, unit: str) -> str:
     return f"{text}{unit}"
 
 
+@dataclass(frozen=True)
+class _Frame:
+    """Where a chart's values land: the plot's box, its time span and its y scale."""
+
+    left: int
+    top: int
+    plot_w: int
+    plot_h: int
+    start: float  # epoch seconds at the left edge
+    span_s: float
+    y_max: float
+    step: float  # between two y ticks
+
+    def x(self, t: float) -> float:
+        return self.left + self.plot_w * (t - self.start) / self.span_s
+
+    def y(self, v: float) -> float:
+        return self.top + self.plot_h * (1 - min(v, self.y_max) / self.y_max)
+
+
 def line_chart(
     *,
     title: str,
@@ -75,10 +95,33 @@ def line_chart(
     """An SVG line chart of `series` over `times` (epoch seconds), the x axis in minutes
     before `now`. The y axis starts at 0 and ends at a round number above every value, the
     reference line included, unless `y_max` fixes it."""
+    frame = _frame(times, series, now, y_max, reference, width, height)
+    parts = [
+        *_heading(title, width, height, frame.left),
+        *_y_grid(frame, unit),
+        *_x_labels(frame, now, height),
+        f'<line x1="{frame.left}" y1="{frame.top + frame.plot_h}" '
+        f'x2="{frame.left + frame.plot_w}" y2="{frame.top + frame.plot_h}" '
+        'stroke="#999" stroke-width="1"/>',
+        *(_reference_line(frame, reference) if reference is not None else []),
+        *(part for item in series for part in _line(frame, times, item)),
+        *_legend(series, frame.left),
+        "</svg>",
+    ]
+    return "\n".join(parts)
+
+
+def _frame(
+    times: Sequence[float],
+    series: Sequence[Series],
+    now: float,
+    y_max: float | None,
+    reference: Reference | None,
+    width: int,
+    height: int,
+) -> _Frame:
     left, right, top, bottom = 56, 12, 48, 28
-    plot_w, plot_h = width - left - right, height - top - bottom
     start = times[0] - 10 if times else now - 3600
-    span_s = max(1.0, now - start)
     values = [v for s in series for v in s.values if v is not None]
     highest = max([*values, reference.value if reference else 0.0, 0.0])
     if y_max is None:
@@ -86,14 +129,12 @@ def line_chart(
         y_max = step * max(1, math.ceil(highest * 1.1 / step))
     else:
         step = nice_step(y_max)
+    plot_w, plot_h = width - left - right, height - top - bottom
+    return _Frame(left, top, plot_w, plot_h, start, max(1.0, now - start), y_max, step)
 
-    def x(t: float) -> float:
-        return left + plot_w * (t - start) / span_s
 
-    def y(v: float) -> float:
-        return top + plot_h * (1 - min(v, y_max) / y_max)
-
-    parts = [
+def _heading(title: str, width: int, height: int, left: int) -> list[str]:
+    return [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{width}" '
         f'height="{height}" viewBox="0 0 {width} {height}" role="img" '
         f'aria-label="{escape(title)}">',
@@ -102,71 +143,88 @@ def line_chart(
         f'<text x="{left}" y="16" font-size="13" font-weight="bold" fill="#333">'
         f"{escape(title)}</text>",
     ]
-    # Grid and y labels.
+
+
+def _y_grid(frame: _Frame, unit: str) -> list[str]:
+    """A grid line and a label at each y tick."""
+    parts = []
     tick = 0.0
-    while tick <= y_max + 1e-9:
-        ty = y(tick)
+    while tick <= frame.y_max + 1e-9:
+        ty = frame.y(tick)
         parts.append(
-            f'<line x1="{left}" y1="{ty:.1f}" x2="{left + plot_w}" y2="{ty:.1f}" '
-            f'stroke="#e0e0e0" stroke-width="1"/>'
+            f'<line x1="{frame.left}" y1="{ty:.1f}" x2="{frame.left + frame.plot_w}" '
+            f'y2="{ty:.1f}" stroke="#e0e0e0" stroke-width="1"/>'
         )
         parts.append(
-            f'<text x="{left - 6}" y="{ty + 4:.1f}" font-size="10" fill="#666" '
+            f'<text x="{frame.left - 6}" y="{ty + 4:.1f}" font-size="10" fill="#666" '
             f'text-anchor="end">{escape(_format(tick, unit))}</text>'
         )
-        tick += step
-    # X labels back from now: every 10 minutes over an hour, every minute over minutes, every
-    # 15 seconds over the first minutes of a new service.
+        tick += frame.step
+    return parts
+
+
+def _x_labels(frame: _Frame, now: float, height: int) -> list[str]:
+    """Labels back from now: every 10 minutes over an hour, every minute over minutes, every
+    15 seconds over the first minutes of a new service."""
+    span_s = frame.span_s
     label_step_s = 600 if span_s > 20 * 60 else 60 if span_s > 3 * 60 else 15
+    parts = []
     for ago in range(0, int(span_s) + 1, label_step_s):
-        tx = x(now - ago)
-        if tx < left:
+        tx = frame.x(now - ago)
+        if tx < frame.left:
             break
         label = "now" if ago == 0 else f"-{ago // 60} min" if label_step_s >= 60 else f"-{ago} s"
         parts.append(
             f'<text x="{tx:.1f}" y="{height - 8}" font-size="10" fill="#666" '
             f'text-anchor="middle">{label}</text>'
         )
-    parts.append(
-        f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" '
-        'stroke="#999" stroke-width="1"/>'
-    )
-    if reference is not None:
-        ry = y(reference.value)
-        parts.append(
-            f'<line class="reference" x1="{left}" y1="{ry:.1f}" x2="{left + plot_w}" '
-            f'y2="{ry:.1f}" stroke="{reference.color}" stroke-width="1.5" '
-            'stroke-dasharray="6 4"/>'
-        )
-        parts.append(
-            f'<text x="{left + plot_w - 4}" y="{ry - 4:.1f}" font-size="10" '
-            f'fill="{reference.color}" text-anchor="end">{escape(reference.label)}</text>'
-        )
-    # Lines, broken where a point has no data; a lone point is drawn as a dot.
-    for item in series:
-        commands: list[str] = []
-        dots: list[str] = []
-        run: list[tuple[float, float]] = []
-        for t, v in [*zip(times, item.values, strict=True), (math.nan, None)]:
-            if v is None:
-                if len(run) == 1:
-                    dots.append(
-                        f'<circle class="point" data-series="{escape(item.label)}" '
-                        f'cx="{run[0][0]:.1f}" cy="{run[0][1]:.1f}" r="2.5" fill="{item.color}"/>'
-                    )
-                elif run:
-                    commands.append("M" + " L".join(f"{px:.1f} {py:.1f}" for px, py in run))
-                run = []
-            else:
-                run.append((x(t), y(v)))
-        if commands:
-            parts.append(
-                f'<path class="series" data-series="{escape(item.label)}" '
-                f'd="{" ".join(commands)}" fill="none" stroke="{item.color}" '
-                'stroke-width="2" stroke-linejoin="round"/>'
+    return parts
+
+
+def _reference_line(frame: _Frame, reference: Reference) -> list[str]:
+    ry = frame.y(reference.value)
+    right = frame.left + frame.plot_w
+    return [
+        f'<line class="reference" x1="{frame.left}" y1="{ry:.1f}" x2="{right}" '
+        f'y2="{ry:.1f}" stroke="{reference.color}" stroke-width="1.5" '
+        'stroke-dasharray="6 4"/>',
+        f'<text x="{right - 4}" y="{ry - 4:.1f}" font-size="10" '
+        f'fill="{reference.color}" text-anchor="end">{escape(reference.label)}</text>',
+    ]
+
+
+def _line(frame: _Frame, times: Sequence[float], item: Series) -> list[str]:
+    """One series' line, broken where a point has no data; a lone point drawn as a dot."""
+    commands: list[str] = []
+    dots: list[str] = []
+    run: list[tuple[float, float]] = []
+    for t, v in [*zip(times, item.values, strict=True), (math.nan, None)]:
+        if v is not None:
+            run.append((frame.x(t), frame.y(v)))
+            continue
+        if len(run) == 1:
+            dots.append(
+                f'<circle class="point" data-series="{escape(item.label)}" '
+                f'cx="{run[0][0]:.1f}" cy="{run[0][1]:.1f}" r="2.5" fill="{item.color}"/>'
             )
-        parts.extend(dots)
-    # Legend, in a row under the title.
+        elif run:
+            commands.append("M" + " L".join(f"{px:.1f} {py:.1f}" for px, py in run))
+        run = []
+    path = (
+        [
+            f'<path class="series" data-series="{escape(item.label)}" '
+            f'd="{" ".join(commands)}" fill="none" stroke="{item.color}" '
+            'stroke-width="2" stroke-linejoin="round"/>'
+        ]
+        if commands
+        else []
+    )
+    return path + dots
+
+
+def _legend(series: Sequence[Series], left: int) -> list[str]:
+    """The series' names, in a row under the title."""
+    parts = []
     legend_x = float(left)
     for item in series:
         parts.append(
@@ -178,5 +236,4 @@ def line_chart(
             f"{escape(item.label)}</text>"
         )
         legend_x += 30 + 6.5 * len(item.label)
-    parts.append("</svg>")
-    return "\n".join(parts)
+    return parts

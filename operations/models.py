@@ -26,7 +26,7 @@ from batching import access
 from batching import policy as live_policy
 from batching.policy import MAX_BATCH_SIZE
 from batching.stats import Summary
-from sampling.runtime import redis_client
+from inference_site.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 

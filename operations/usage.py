@@ -17,22 +17,16 @@ from datetime import UTC, date, datetime, timedelta
 import redis
 from django.db.models import QuerySet, Sum
 from django.http import HttpRequest, HttpResponse
-from django.views.decorators.csrf import csrf_exempt
 
 from batching import stats
+from batching.access import Caller
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
+from batching.problems import Failure, Problem
+from inference_site.redis_client import redis_client
 from operations.models import ApiKey, UsageMinute, known_queues
-from sampling.api import (
-    Invalid,
-    body_free,
-    json_response,
-    openai_error,
-    openai_failure,
-    openai_invalid,
-)
-from sampling.runtime import redis_client, web_process
-from sampling.submission import Failure, Problem, answer_failure, authenticate
+from sampling.responses import Invalid, json_response
+from sampling.wrappers import openai_get
 
 
 @dataclass
@@ -149,34 +143,23 @@ def _day(raw: str | None, today: date) -> date:
         raise Invalid(f"date must be YYYY-MM-DD, got {raw[:40]!r}", "date") from None
 
 
-@csrf_exempt  # a POST gets a 405, not the CSRF page
-def usage_view(request: HttpRequest) -> HttpResponse:
+@openai_get
+def usage_view(request: HttpRequest, caller: Caller) -> HttpResponse | Failure:
     """The calling key's usage per model on one UTC day (?date=, by default today), in the
     shape `{"object": "list", "date", "data": [{"model", "usage": {...}, "requests": {...}}]}`;
     requests without a key get 401 (usage is per key)."""
-    try:
-        body_free(request)
-    except Invalid as invalid:
-        return openai_invalid(invalid)
-    caller = authenticate(request, web_process())
-    if isinstance(caller, Failure):
-        return answer_failure(openai_failure, caller)
     if caller.key_id == 0:
-        response = openai_error(
-            401, "usage is counted per API key: send Authorization: Bearer <key>",
-            "invalid_request_error", None, "missing_api_key",
-        )  # fmt: skip
-        response["WWW-Authenticate"] = 'Bearer realm="sampling"'
-        return response
+        raise Invalid(
+            "usage is counted per API key: send Authorization: Bearer <key>",
+            status=401,
+            code="missing_api_key",
+            headers={"WWW-Authenticate": 'Bearer realm="sampling"'},
+        )
     now = datetime.now(tz=UTC)
-    try:
-        day = _day(request.GET.get("date"), now.date())
-    except Invalid as invalid:
-        return openai_invalid(invalid)
+    day = _day(request.GET.get("date"), now.date())
     try:
         used = usage_of_key(redis_client(), caller.key_id, day, now.timestamp())
     except redis.RedisError:
-        unavailable = Failure(Problem.UNAVAILABLE, "usage cannot be read: Redis unavailable", 1)
-        return answer_failure(openai_failure, unavailable)
+        return Failure(Problem.UNAVAILABLE, "usage cannot be read: Redis unavailable")
     data = [model_usage.as_json() for model_usage in used]
     return json_response(200, {"object": "list", "date": day.isoformat(), "data": data})

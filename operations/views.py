@@ -8,9 +8,10 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils.safestring import mark_safe
 
+from inference_site.redis_client import redis_client
 from operations import dashboard
 from operations.models import SamplingPolicy, Tier, default_policy, known_queues
-from sampling.runtime import redis_client, web_process
+from sampling.runtime import web_process
 
 
 def stats_page(request: HttpRequest) -> HttpResponse:

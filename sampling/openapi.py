@@ -62,32 +62,94 @@ def _generation(request: type[BaseModel], answer: type[BaseModel], summary: str)
     }
 
 
+VALIDATED = (schemas.CompletionRequest, schemas.ChatCompletionRequest, schemas.InferenceRequest)
+SERIALIZED = (
+    schemas.CompletionResponse,
+    schemas.ChatCompletionResponse,
+    schemas.ModelList,
+    schemas.Model,
+    schemas.ErrorResponse,
+    schemas.InferenceResponse,
+    schemas.InferenceError,
+    schemas.UsageReport,
+)
+INFO = {
+    "title": "Sampling service",
+    "version": "1",
+    "description": "OpenAI-compatible completions, chat and models, a plain JSON inference "
+    "API, and each key's usage. POST /sample (a raw prompt in, a plain-text completion out) is "
+    "documented in the README.",
+}
+
+
 def openapi_document() -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": INFO,
+        "paths": {
+            "/v1/completions": _generation(
+                schemas.CompletionRequest, schemas.CompletionResponse, "Complete prompts"
+            ),
+            "/v1/chat/completions": _generation(
+                schemas.ChatCompletionRequest, schemas.ChatCompletionResponse, "Continue a chat"
+            ),
+            **_models(),
+            "/api/inference": _inference(),
+            "/v1/usage": _usage(),
+        },
+        "components": {"schemas": _definitions()},
+    }
+
+
+def _definitions() -> dict[str, Any]:
+    """The JSON schemas of the requests as validated and the answers as serialized."""
     _, definitions = models_json_schema(
-        [
-            (model, "validation")
-            for model in (
-                schemas.CompletionRequest,
-                schemas.ChatCompletionRequest,
-                schemas.InferenceRequest,
-            )
-        ]
-        + [
-            (model, "serialization")
-            for model in (
-                schemas.CompletionResponse,
-                schemas.ChatCompletionResponse,
-                schemas.ModelList,
-                schemas.Model,
-                schemas.ErrorResponse,
-                schemas.InferenceResponse,
-                schemas.InferenceError,
-                schemas.UsageReport,
-            )
-        ],
+        [(model, "validation") for model in VALIDATED]
+        + [(model, "serialization") for model in SERIALIZED],
         ref_template=REF,
     )
+    return definitions["$defs"]
+
+
+def _models() -> dict[str, Any]:
     model_id = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "/v1/models": {
+            "get": {
+                "summary": "The served model",
+                "responses": {
+                    "200": _ok(schemas.ModelList),
+                    **_errors(schemas.ErrorResponse, 401),
+                },
+            }
+        },
+        "/v1/models/{model_id}": {
+            "get": {
+                "summary": "One model",
+                "parameters": [model_id],
+                "responses": {
+                    "200": _ok(schemas.Model),
+                    **_errors(schemas.ErrorResponse, 401, 404),
+                },
+            }
+        },
+    }
+
+
+def _inference() -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": "One prompt, the queue's settings",
+            "requestBody": _body(schemas.InferenceRequest),
+            "responses": {
+                "200": _ok(schemas.InferenceResponse),
+                **_errors(schemas.InferenceError, 400, 401, 429, 502, 503, 504),
+            },
+        }
+    }
+
+
+def _usage() -> dict[str, Any]:
     day = {
         "name": "date",
         "in": "query",
@@ -96,67 +158,13 @@ def openapi_document() -> dict[str, Any]:
         "schema": {"type": "string", "format": "date"},
     }
     return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "Sampling service",
-            "version": "1",
-            "description": "OpenAI-compatible completions, chat and models, a plain JSON "
-            "inference API, and each key's usage. POST /sample (a raw prompt in, a plain-text "
-            "completion out) is documented in the README.",
-        },
-        "paths": {
-            "/v1/completions": _generation(
-                schemas.CompletionRequest, schemas.CompletionResponse, "Complete prompts"
-            ),
-            "/v1/chat/completions": _generation(
-                schemas.ChatCompletionRequest, schemas.ChatCompletionResponse, "Continue a chat"
-            ),
-            "/v1/models": {
-                "get": {
-                    "summary": "The served model",
-                    "responses": {
-                        "200": {"description": "OK", "content": _content(schemas.ModelList)},
-                        **_errors(schemas.ErrorResponse, 401),
-                    },
-                }
+        "get": {
+            "summary": "The calling key's usage on one day, per model",
+            "parameters": [day],
+            "responses": {
+                "200": _ok(schemas.UsageReport),
+                # 401 also without a key when keys are not required: usage is per key.
+                **_errors(schemas.ErrorResponse, 400, 401, 503),
             },
-            "/v1/models/{model_id}": {
-                "get": {
-                    "summary": "One model",
-                    "parameters": [model_id],
-                    "responses": {
-                        "200": _ok(schemas.Model),
-                        **_errors(schemas.ErrorResponse, 401, 404),
-                    },
-                }
-            },
-            "/api/inference": {
-                "post": {
-                    "summary": "One prompt, the queue's settings",
-                    "requestBody": {
-                        "required": True,
-                        "content": _content(schemas.InferenceRequest),
-                    },
-                    "responses": {
-                        "200": {
-                            "description": "OK",
-                            "content": _content(schemas.InferenceResponse),
-                        },
-                        **_errors(schemas.InferenceError, 400, 401, 429, 502, 503, 504),
-                    },
-                }
-            },
-            "/v1/usage": {
-                "get": {
-                    "summary": "The calling key's usage on one day, per model",
-                    "parameters": [day],
-                    "responses": {
-                        "200": _ok(schemas.UsageReport),
-                        # 401 also without a key when keys are not required: usage is per key.
-                        **_errors(schemas.ErrorResponse, 400, 401, 503),
-                    },
-                }
-            },
-        },
-        "components": {"schemas": definitions["$defs"]},
+        }
     }

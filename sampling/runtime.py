@@ -1,9 +1,7 @@
-"""The per-process runtime of a web process: Redis client, aggregator, live policy, API keys,
-statistics.
+"""The per-process runtime of a web process: aggregator, live policy, API keys, statistics,
+over the process's Redis client (inference_site.redis_client).
 
 Built lazily after gunicorn forks (and after gevent patches sockets), once per process.
-The pool is bounded: thousands of waiting requests share a few dozen connections, since a
-request holds one only for its single round trip.
 """
 
 from __future__ import annotations
@@ -17,18 +15,17 @@ from dataclasses import dataclass
 import redis
 from django.conf import settings
 
-from batching import topology
 from batching.access import AccessWatcher
 from batching.aggregator import BatchAggregator
 from batching.loop import PeriodicLoop
 from batching.policy import Policy, PolicyWatcher, policy_from_settings
 from batching.ratelimit import RateLimiter
 from batching.stats import RequestStats
+from inference_site.redis_client import redis_client
 from sampling.shedding import Shedder
 
 log = logging.getLogger(__name__)
 
-MAX_CONNECTIONS_PER_PROCESS = 64
 STATS_FLUSH_INTERVAL_S = 1.0
 BACKGROUND_JOB_INTERVAL_S = 10.0
 
@@ -38,39 +35,12 @@ BACKGROUND_JOB_INTERVAL_S = 10.0
 BackgroundJob = Callable[[redis.Redis, str, Policy], None]
 _background_jobs: list[BackgroundJob] = []
 
-_clients: dict[int, redis.Redis] = {}
 _web: dict[int, WebProcess] = {}
 
 
 def register_background_job(job: BackgroundJob) -> None:
     if job not in _background_jobs:
         _background_jobs.append(job)
-
-
-def redis_client() -> redis.Redis:
-    """This process's client of the request path's Redis (SAMPLING_REDIS_URL), over a bounded
-    pool (per master on a cluster)."""
-    pid = os.getpid()
-    client = _clients.get(pid)
-    if client is None:
-        options = {"socket_timeout": 5, "socket_connect_timeout": 2}
-        if settings.SAMPLING_REDIS_CLUSTER:
-            client = topology.redis_client(
-                settings.SAMPLING_REDIS_URL,
-                cluster=True,
-                max_connections=MAX_CONNECTIONS_PER_PROCESS,
-                **{**options, "socket_connect_timeout": 0.5},
-            )
-        else:
-            pool = redis.BlockingConnectionPool.from_url(
-                settings.SAMPLING_REDIS_URL,
-                max_connections=MAX_CONNECTIONS_PER_PROCESS,
-                timeout=2,
-                **options,
-            )
-            client = redis.Redis(connection_pool=pool)
-        _clients[pid] = client
-    return client
 
 
 @dataclass

@@ -11,33 +11,31 @@ that each endpoint words in its own format (plain text on /sample, OpenAI's erro
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import redis
 from celery.backends.redis import RedisBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from django.conf import settings
-from django.http import HttpRequest, HttpResponse
-from django.views.decorators.csrf import csrf_exempt
 
 from batching import cache
 from batching.access import Caller
+from batching.aggregator import BatchAggregator
+from batching.answers import Answer, to_wire
 from batching.generation import SampleRequest
-from batching.outcomes import ItemOutcome, RequestOutcome
+from batching.items import Ticket
+from batching.outcomes import ItemOutcome
+from batching.policy import PolicyWatcher
+from batching.problems import Failure, Problem
 from batching.protocol import RUN_BATCH_TASK, task_priority
-from batching.ratelimit import RateCounter
+from batching.ratelimit import RateCounter, RateLimiter
 from batching.results import queue_result
+from batching.stats import RequestStats
 from inference_site.celery import app as celery_app
 from sampling import metrics
-from sampling.runtime import WebProcess, web_process
-from sampling.shedding import ShedReason
 
 log = logging.getLogger(__name__)
 
@@ -47,180 +45,80 @@ QUEUE_UNAVAILABLE = "batch queue unavailable"
 PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.05, "interval_max": 0.05}
 
 
-class Problem(StrEnum):
-    """Why a request got no completion: one vocabulary, worded by each endpoint."""
+class RequestPath(Protocol):
+    """What a submission uses of its web process (sampling.runtime.WebProcess)."""
 
-    OVERLOADED = "overloaded"  # 503 + Retry-After: admission predicts a missed deadline
-    UNAVAILABLE = "unavailable"  # 503 + Retry-After: Redis or the broker cannot be reached
-    DEADLINE = "deadline"  # 504: no completion within the deadline
-    PROMPT_REJECTED = "prompt_rejected"  # 400: the model refused the prompt (too long...)
-    SAMPLER_FAILED = "sampler_failed"  # 502: the sampler failed for the batch
-    UNAUTHORIZED = "unauthorized"  # 401: no valid API key
-    RATE_LIMITED = "rate_limited"  # 429 + Retry-After: the key is over its rate limit
+    client: redis.Redis
+    aggregator: BatchAggregator
+    watcher: PolicyWatcher
+    stats: RequestStats
+    limiter: RateLimiter
 
 
-STATUS = {
-    Problem.OVERLOADED: 503,
-    Problem.UNAVAILABLE: 503,
-    Problem.DEADLINE: 504,
-    Problem.PROMPT_REJECTED: 400,
-    Problem.SAMPLER_FAILED: 502,
-    Problem.UNAUTHORIZED: 401,
-    Problem.RATE_LIMITED: 429,
-}
-OUTCOME = {
-    Problem.OVERLOADED: RequestOutcome.REJECTED,
-    Problem.UNAVAILABLE: RequestOutcome.ERROR,
-    Problem.DEADLINE: RequestOutcome.TIMEOUT,
-    Problem.PROMPT_REJECTED: RequestOutcome.BAD_REQUEST,
-    Problem.SAMPLER_FAILED: RequestOutcome.ERROR,
-    Problem.UNAUTHORIZED: RequestOutcome.UNAUTHORIZED,
-    Problem.RATE_LIMITED: RequestOutcome.RATE_LIMITED,
-}
+def unavailable(message: str = QUEUE_UNAVAILABLE) -> Failure:
+    return Failure(Problem.UNAVAILABLE, message)
 
 
-@dataclass(frozen=True)
-class Failure:
-    problem: Problem
-    message: str  # one line, for the client
-    retry_after_s: int = 0  # 503 and 429: when to try again
-
-    @property
-    def status(self) -> int:
-        return STATUS[self.problem]
-
-    @property
-    def outcome(self) -> RequestOutcome:
-        return OUTCOME[self.problem]
-
-
-Handler = Callable[[HttpRequest, WebProcess, float, Caller], tuple[RequestOutcome, HttpResponse]]
-Words = Callable[[Failure], HttpResponse]  # how an endpoint says a Failure
-
-
-def authenticate(request: HttpRequest, process: WebProcess) -> Caller | Failure:
-    """The request's caller, from its Authorization header and this process's copy of the
-    keys (no Redis call): a 401 Failure for a missing key (when SAMPLING_REQUIRE_API_KEY is
-    on), a malformed header, or an unknown, revoked or expired key; anonymous otherwise."""
-    found = process.access.identify(
-        request.META.get("HTTP_AUTHORIZATION"), settings.SAMPLING_REQUIRE_API_KEY
-    )
-    if isinstance(found, Caller):
-        return found
-    if found is None:  # the keys were never read: Redis away since this process started
-        return Failure(Problem.UNAVAILABLE, "API keys cannot be checked yet", 1)
-    return Failure(Problem.UNAUTHORIZED, str(found))
-
-
-def answer_failure(words: Words, failure: Failure) -> HttpResponse:
-    """An endpoint's wording of `failure`, with the headers its status asks for."""
-    response = words(failure)
-    if failure.retry_after_s:
-        response["Retry-After"] = str(failure.retry_after_s)
-    if failure.status == 401:
-        response["WWW-Authenticate"] = 'Bearer realm="sampling"'
-    return response
-
-
-def counted(handle: Handler, words: Words) -> Callable[[HttpRequest], HttpResponse]:
-    """A view around `handle(request, process, arrival, caller)`: the request shed first if
-    this process cannot start it in time (sampling.shedding), its deadline counted from its
-    arrival (`X-Request-Start`, else when its bytes reached the kernel, else now); then the
-    caller authenticated and checked against its rate limits first (a refusal worded by
-    `words`), every answer to a limited caller with its x-ratelimit-* headers, and every
-    request counted in memory (statistics flushed to Redis once a second) and in this
-    process's Prometheus file, with no round trip on the request path. CSRF does not apply
-    to the API (no cookies)."""
-
-    @csrf_exempt
-    def view(request: HttpRequest) -> HttpResponse:
-        process = web_process()
-        shedder = process.shedder
-        arrival = shedder.arrival(request.META)  # the deadline counts from here
-        deadline_ms = process.watcher.current.deadline_ms
-        shed = shedder.refusal(arrival, deadline_ms)
-        caller: Caller | Failure
-        if shed is not None:
-            caller = _shed(shed, arrival, deadline_ms, shedder.max_in_flight)
-            metrics.record_shed(shed)
-            outcome, response = caller.outcome, answer_failure(words, caller)
-        else:
-            shedder.in_flight += 1
-            try:
-                caller = authenticate(request, process)
-                if isinstance(caller, Failure):
-                    outcome, response = caller.outcome, answer_failure(words, caller)
-                else:
-                    limited = process.limiter.check(caller)
-                    if limited is not None:
-                        refusal = Failure(
-                            Problem.RATE_LIMITED, limited.message, limited.retry_after_s
-                        )
-                        outcome, response = refusal.outcome, answer_failure(words, refusal)
-                    else:
-                        outcome, response = handle(request, process, arrival, caller)
-                    for header, value in process.limiter.headers(caller).items():
-                        response[header] = value
-            finally:
-                shedder.in_flight -= 1
-        latency_s = time.monotonic() - arrival
-        key_id = 0 if isinstance(caller, Failure) else caller.key_id
-        tier = "" if isinstance(caller, Failure) else caller.tier
-        process.stats.record(outcome, latency_s, key_id=key_id, tier=tier)
-        metrics.record_request(outcome, latency_s, tier)
-        return response
-
-    view.__name__ = view.__qualname__ = handle.__name__.lstrip("_")
-    return view
-
-
-def _shed(reason: ShedReason, arrival: float, deadline_ms: int, max_in_flight: int) -> Failure:
-    if reason == ShedReason.IN_FLIGHT:
-        message = f"overloaded: this web process holds {max_in_flight} requests already"
-    else:
-        waited_ms = (time.monotonic() - arrival) * 1000
-        message = (
-            f"overloaded: the request waited {waited_ms:.0f} ms of its {deadline_ms} ms "
-            "deadline before this server could start it"
-        )
-    return Failure(Problem.OVERLOADED, message, 1)
-
-
-def _unavailable() -> Failure:
-    return Failure(Problem.UNAVAILABLE, QUEUE_UNAVAILABLE, 1)
-
-
-class Answers(list[list[Any]]):
+class Answers(list[Answer]):
     """A request's answers, one per item, and what the response cache did for it: "hit" (every
     item answered from it), "miss" (some item sampled), or "" (the cache not asked)."""
 
     cache: str = ""
 
-    def cache_header(self, response: HttpResponse) -> HttpResponse:
-        if self.cache:
-            response["x-cache"] = self.cache
-        return response
+    def headers(self) -> dict[str, str]:
+        return {"x-cache": self.cache} if self.cache else {}
 
 
 def submit(
-    process: WebProcess,
+    process: RequestPath,
     caller: Caller,
     items: Sequence[str | SampleRequest],
     deadline: float,
     deadline_ms: int,
 ) -> Answers | Failure:
-    """Every item's answer ([ItemOutcome.OK, text, ...] each, in order), or why the request
-    gets none. `deadline` is monotonic; `deadline_ms` the policy's, for messages. The items of
-    a caller with a request limit join its key's shard, and the first raises its counter
+    """Every item's answer (each a completion, in order), or why the request gets none.
+    `deadline` is monotonic; `deadline_ms` the policy's, for messages. The items of a caller
+    with a request limit join its key's shard, and the first raises its counter
     (batching.ratelimit). With the response cache on, an item whose output its input
     determines is looked up in the same call (batching.cache): a hit joins no batch."""
+    policy = process.watcher.current
+    digests = [cache.digest_of(process.aggregator.queue, item, policy) for item in items]
+    tickets = _join(process, caller, items, digests, deadline, deadline_ms)
+    if isinstance(tickets, Failure):
+        return tickets
+    answers = Answers()
+    asked = sum(1 for digest in digests if digest)
+    if asked:
+        hits = sum(1 for ticket in tickets if ticket.cached is not None)
+        answers.cache = "hit" if hits == len(items) else "miss"
+        process.stats.record_cache(hits, asked - hits)
+        metrics.record_cache(hits, asked - hits)
+    batches: dict[str, list[Any]] = {}  # several items may share a batch: read once
+    for ticket in tickets:
+        answer = _wait(ticket, batches, deadline, deadline_ms)
+        if isinstance(answer, Failure):
+            return answer
+        failure = _failure_of(answer, deadline_ms)
+        if failure is not None:
+            return failure
+        answers.append(answer)
+    return answers
+
+
+def _join(
+    process: RequestPath,
+    caller: Caller,
+    items: Sequence[str | SampleRequest],
+    digests: list[str],
+    deadline: float,
+    deadline_ms: int,
+) -> list[Ticket] | Failure:
+    """Each item appended to its shard's open batch, the batches it opened dispatched."""
     aggregator, limiter = process.aggregator, process.limiter
     shard = aggregator.shard_of_key(caller.key_id) if caller.rpm else None
     now_s = time.time()
     counter_key = limiter.counter(caller, aggregator.shards[shard or 0], now_s)
     counter = RateCounter(counter_key, limiter.needs_expiry(caller, now_s)) if counter_key else None
-    policy = process.watcher.current
-    digests = [cache.digest_of(aggregator.queue, item, policy) for item in items]
     tickets = []
     for item, digest in zip(items, digests, strict=True):
         try:
@@ -235,7 +133,7 @@ def submit(
             )
         except redis.RedisError as exc:
             log.error("cannot reach Redis to queue a request: %s", exc)
-            return _unavailable()
+            return unavailable()
         if ticket.rejected:
             return Failure(
                 Problem.OVERLOADED,
@@ -247,59 +145,53 @@ def submit(
             limiter.counted(caller, ticket.counted, now_s, expiry_set=bool(counter.expire_ms))
             counter = None  # one request, one count: its other items join without
         if ticket.opened and not _dispatch(process, ticket.batch_id, ticket.lane):
-            return _unavailable()
+            return unavailable()
         tickets.append(ticket)
-
-    answers = Answers()
-    asked = sum(1 for digest in digests if digest)
-    if asked:
-        hits = sum(1 for ticket in tickets if ticket.cached is not None)
-        answers.cache = "hit" if hits == len(items) else "miss"
-        process.stats.record_cache(hits, asked - hits)
-        metrics.record_cache(hits, asked - hits)
-    batches: dict[str, list[list[Any]]] = {}  # several items may share a batch
-    for ticket in tickets:
-        if ticket.cached is not None:
-            answers.append(json.loads(ticket.cached))
-            continue
-        try:
-            results = batches.get(ticket.batch_id)
-            if results is None:
-                results = batches[ticket.batch_id] = celery_app.AsyncResult(ticket.batch_id).get(
-                    timeout=max(0.0, deadline - time.monotonic())
-                )
-            answer = results[ticket.index]
-        except CeleryTimeoutError:
-            return Failure(Problem.DEADLINE, f"no completion within the {deadline_ms} ms deadline")
-        except redis.RedisError as exc:  # the batch's Redis node went down while it waited
-            log.error("batch %s: its results cannot arrive: %s", ticket.batch_id, exc)
-            return _unavailable()
-        except Exception as exc:  # noqa: BLE001 - whatever broke the batch: a 502
-            log.error("batch %s failed: %s", ticket.batch_id, exc)
-            return Failure(Problem.SAMPLER_FAILED, "the sampler failed for this batch")
-        failure = _failure_of(answer, deadline_ms)
-        if failure is not None:
-            return failure
-        answers.append(answer)
-    return answers
+    return tickets
 
 
-def _failure_of(answer: list[Any], deadline_ms: int) -> Failure | None:
-    outcome, text = answer[0], answer[1]
-    if outcome == ItemOutcome.OK:
+def _wait(
+    ticket: Ticket, batches: dict[str, list[Any]], deadline: float, deadline_ms: int
+) -> Answer | Failure:
+    """The ticket's answer: from the response cache, or from its batch's result (read once
+    per batch into `batches`, and only its own item decoded), within what is left of the
+    deadline."""
+    if ticket.cached is not None:
+        return Answer.from_json(ticket.cached)
+    try:
+        results = batches.get(ticket.batch_id)
+        if results is None:
+            results = batches[ticket.batch_id] = celery_app.AsyncResult(ticket.batch_id).get(
+                timeout=max(0.0, deadline - time.monotonic())
+            )
+        return Answer.from_wire(results[ticket.index])
+    except CeleryTimeoutError:
+        return Failure(Problem.DEADLINE, f"no completion within the {deadline_ms} ms deadline")
+    except redis.RedisError as exc:  # the batch's Redis node went down while it waited
+        log.error("batch %s: its results cannot arrive: %s", ticket.batch_id, exc)
+        return unavailable()
+    except Exception as exc:  # noqa: BLE001 - whatever broke the batch: a 502
+        log.error("batch %s failed: %s", ticket.batch_id, exc)
+        return Failure(Problem.SAMPLER_FAILED, "the sampler failed for this batch")
+
+
+def _failure_of(answer: Answer, deadline_ms: int) -> Failure | None:
+    """The request's failure when one of its items got no completion."""
+    problem = answer.problem
+    if problem is None:
         return None
-    if outcome == ItemOutcome.EXPIRED:
-        return Failure(
-            Problem.DEADLINE, f"no completion within the {deadline_ms} ms deadline ({text})"
-        )
-    if outcome == ItemOutcome.PROMPT_REJECTED:
-        return Failure(Problem.PROMPT_REJECTED, f"prompt rejected by the model: {text}")
-    if outcome == ItemOutcome.NOT_DISPATCHED:
-        return _unavailable()
-    return Failure(Problem.SAMPLER_FAILED, str(text))
+    if problem is Problem.DEADLINE:
+        message = f"no completion within the {deadline_ms} ms deadline ({answer.text})"
+    elif problem is Problem.PROMPT_REJECTED:
+        message = f"prompt rejected by the model: {answer.text}"
+    elif problem is Problem.UNAVAILABLE:
+        message = QUEUE_UNAVAILABLE
+    else:
+        message = answer.text
+    return Failure(problem, message)
 
 
-def _dispatch(process: WebProcess, batch_id: str, lane: int) -> bool:
+def _dispatch(process: RequestPath, batch_id: str, lane: int) -> bool:
     """Send the batch's task (task id = batch id, by name: no import of the worker's code), at
     its lane's Celery priority. When it cannot be sent, close the batch so that no later
     request joins it, and answer the members that joined already at once rather than at
@@ -329,16 +221,16 @@ def _dispatch(process: WebProcess, batch_id: str, lane: int) -> bool:
     return True
 
 
-def _abandon(process: WebProcess, batch_id: str, lane: int) -> None:
+def _abandon(process: RequestPath, batch_id: str, lane: int) -> None:
     aggregator = process.aggregator
     try:
         members = aggregator.abandon(batch_id, lane)
-        answers = [[ItemOutcome.NOT_DISPATCHED, QUEUE_UNAVAILABLE] for _ in range(members)]
+        answers = [Answer(ItemOutcome.NOT_DISPATCHED, QUEUE_UNAVAILABLE)] * members
         # Stored and published as the task would have: every member's wait wakes now.
         backend = celery_app.backend
         assert isinstance(backend, RedisBackend)  # CELERY_RESULT_BACKEND is ours
         with process.client.pipeline(transaction=False) as pipe:
-            queue_result(pipe, backend, batch_id, answers, expires_s=aggregator.ttl_s)
+            queue_result(pipe, backend, batch_id, to_wire(answers), expires_s=aggregator.ttl_s)
             pipe.execute()
     except Exception as exc:  # noqa: BLE001 - Redis down too: the members time out instead
         log.error("batch %s abandoned, its members not answered: %s", batch_id, exc)

@@ -3,7 +3,8 @@
 The request path never touches the database: one MULTI of plain commands to join a batch
 (the only Redis round trip of a request), one Celery publish (by task name) and one confirmation for
 the request that opened it, and a wait on the batch's result through the process's shared
-result listener, which is subscribed already (sampling.submission). The OpenAI-compatible API
+result listener, which is subscribed already (sampling.submission); sampling.wrappers makes
+the view of it. The OpenAI-compatible API
 and /api/inference are in sampling.api.
 """
 
@@ -17,9 +18,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from batching.access import Caller
 from batching.outcomes import RequestOutcome
+from batching.problems import Failure
 from sampling import metrics
 from sampling.runtime import WebProcess, web_process
-from sampling.submission import Failure, answer_failure, counted, submit
+from sampling.submission import submit
+from sampling.wrappers import answer_failure, counted
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ def _sample(
     answers = submit(process, caller, [prompt], arrival + deadline_ms / 1000, deadline_ms)
     if isinstance(answers, Failure):
         return answers.outcome, answer_failure(_failure, answers)
-    return RequestOutcome.OK, answers.cache_header(_text(200, answers[0][1]))
+    return RequestOutcome.OK, _text(200, answers[0].text, **answers.headers())
 
 
 def _failure(failure: Failure) -> HttpResponse:

@@ -13,13 +13,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import redis
 
 from batching import ratelimit, stats
 from batching.admission import AdmissionInputs
 from batching.aggregator import BatchAggregator
+from batching.answers import Answer, WireAnswer, to_wire
 from batching.generation import Completion, Row
 from batching.items import Item, SealedBatch
 from batching.outcomes import ItemOutcome
@@ -37,23 +37,22 @@ ESTIMATE_WEIGHT = 0.3
 # leaves admission (workers.lifecycle) rather than fail every batch it is given.
 FAILED_CALLS_UNHEALTHY = 3
 
-# One item's answer: [ItemOutcome, text], the completion for OK, a one-line reason otherwise;
-# an API request's completion also carries [finish reason, prompt tokens, completion tokens].
-Result = list[Any]
+# One item's answer as it leaves the worker (batching.answers: the wire format).
+Result = WireAnswer
 
 
-def _answer(item: Item, completion: Completion | PromptRejected) -> Result:
+def _answer(item: Item, completion: Completion | PromptRejected) -> Answer:
     if isinstance(completion, PromptRejected):
-        return [ItemOutcome.PROMPT_REJECTED, str(completion) or "prompt rejected"]
+        return Answer(ItemOutcome.PROMPT_REJECTED, str(completion) or "prompt rejected")
     if item.request is None:  # a /sample request's answer: the text alone, as ever
-        return [ItemOutcome.OK, completion.text]
-    return [
+        return Answer(ItemOutcome.OK, completion.text)
+    return Answer(
         ItemOutcome.OK,
         completion.text,
         str(completion.finish_reason),
         completion.prompt_tokens,
         completion.completion_tokens,
-    ]
+    )
 
 
 @dataclass
@@ -63,7 +62,7 @@ class Turn:
     batch_id: str
     sealed: SealedBatch
     policy: Policy
-    results: dict[int, Result]  # by item index; every index once sampled
+    results: dict[int, Answer]  # by item index; every index once sampled
     chunks: list[list[int]]  # the live items' indexes, one list per sampler call
     began: float  # perf_counter when the seal started
     sampler_ms: float = 0.0
@@ -74,15 +73,18 @@ class Turn:
     tokens_by_key: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
-    def answers(self) -> list[Result]:
+    def in_order(self) -> list[Answer]:
         return [self.results[index] for index in range(len(self.sealed.items))]
+
+    @property
+    def answers(self) -> list[Result]:
+        """Every item's answer, in order, as they leave the worker."""
+        return to_wire(self.in_order)
 
     def answers_failing_the_rest(self, reason: str) -> list[Result]:
         """Every item's answer, an error for the items not answered yet (a call cut off)."""
-        return [
-            self.results.get(index, [ItemOutcome.ERROR, reason])
-            for index in range(len(self.sealed.items))
-        ]
+        failed = Answer(ItemOutcome.ERROR, reason)
+        return to_wire(self.results.get(index, failed) for index in range(len(self.sealed.items)))
 
 
 class BatchRunner:
@@ -184,11 +186,11 @@ class BatchRunner:
         # One more call must end before the item's deadline, or the item is dropped now and
         # the sampler never sees it.
         cutoff = sealed.now_ms + self.estimate_ms
-        results: dict[int, Result] = {}
+        results: dict[int, Answer] = {}
         live: list[int] = []
         for index, item in enumerate(sealed.items):
             if item.deadline_ms < cutoff:
-                results[index] = [ItemOutcome.EXPIRED, "deadline could not be met"]
+                results[index] = Answer(ItemOutcome.EXPIRED, "deadline could not be met")
             else:
                 live.append(index)
         # A batch opened under a larger max batch size than the policy's now (just lowered)
@@ -225,7 +227,7 @@ class BatchRunner:
         batch_id: str,
         items: list[Item],
         indexes: list[int],
-        results: dict[int, Result],
+        results: dict[int, Answer],
         tokens_by_key: dict[int, tuple[int, int]],
     ) -> float:
         """One sampler call for items[indexes]; fills their results; returns its ms."""
@@ -236,7 +238,7 @@ class BatchRunner:
                 rows.append(self._row(items[index]))
                 called.append(index)
             except ValueError as exc:  # a chat its template refuses: this item alone
-                results[index] = [ItemOutcome.PROMPT_REJECTED, str(exc) or "prompt rejected"]
+                results[index] = Answer(ItemOutcome.PROMPT_REJECTED, str(exc) or "prompt rejected")
         started = time.perf_counter()
         if not rows:
             return 0.0
@@ -263,7 +265,7 @@ class BatchRunner:
             self.failed_calls += 1
             self.last_failure = reason
             for index in called:
-                results[index] = [ItemOutcome.ERROR, reason]
+                results[index] = Answer(ItemOutcome.ERROR, reason)
         finally:
             self.busy_since = None
         sampler_ms = (time.perf_counter() - started) * 1000
@@ -283,8 +285,8 @@ class BatchRunner:
 
     def _record(self, turn: Turn, pipe: redis.client.Pipeline | None) -> None:
         batch_id, sealed, policy = turn.batch_id, turn.sealed, turn.policy
-        results, sampler_ms, calls = turn.answers, turn.sampler_ms, len(turn.chunks)
-        counts = Counter(ItemOutcome(answer[0]) for answer in results)
+        results, sampler_ms, calls = turn.in_order, turn.sampler_ms, len(turn.chunks)
+        counts = Counter(answer.outcome for answer in results)
         expired = counts[ItemOutcome.EXPIRED]
         queue_wait_ms = sealed.now_ms - sealed.opened_at_ms if sealed.opened_at_ms >= 0 else None
         record = {
@@ -316,9 +318,9 @@ class BatchRunner:
         charges = {key_id: tokens[1] for key_id, tokens in turn.tokens_by_key.items()}
         # The answers the response cache keeps: sampled ones of the items that asked for it.
         cached = {
-            item.cache: json.dumps(answer)
+            item.cache: answer.to_json()
             for item, answer in zip(sealed.items, results, strict=True)
-            if item.cache and answer[0] == ItemOutcome.OK
+            if item.cache and answer.outcome == ItemOutcome.OK
         }
         cache_ttl_ms = policy.response_cache_ttl_s * 1000
         now_s = time.time()

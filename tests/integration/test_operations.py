@@ -29,6 +29,7 @@ from operations import dashboard
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample
+from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
@@ -81,6 +82,12 @@ def policy_form(queue: str, **changes: str) -> dict[str, str]:
     return {**fields, **changes}
 
 
+def worker_info(stack: Stack, aggregator: BatchAggregator) -> dict[str, object]:
+    """The stack's worker's last heartbeat info."""
+    key = aggregator.keys.worker_info(f"{stack.env['SAMPLING_QUEUE']}-cpu@{os.uname()[1]}")
+    return dict(json.loads(aggregator.client.get(key) or "{}"))
+
+
 def scrape(stack: Stack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     reply = request(stack.base_url, "/metrics", method="GET")
     assert reply.status == 200
@@ -131,7 +138,8 @@ def test_an_admin_change_of_max_batch_size_is_obeyed_within_2_s(
             f"/admin/sampling/samplingpolicy/{change_url.group(1)}/delete/", {"post": "yes"}
         )
         assert (status, url) == (200, ops.base_url + "/admin/sampling/samplingpolicy/")
-        time.sleep(1.5)
+        wait_until(lambda: worker_info(ops, aggregator).get("max_batch_size") != 5, 5,
+                   "the worker back on the environment's policy")  # fmt: skip
 
 
 def check_max_batch_size_of_5_is_obeyed(
@@ -141,22 +149,16 @@ def check_max_batch_size_of_5_is_obeyed(
     before: list[dict[str, object]],
     saved: float,
 ) -> None:
-
     # The worker: its heartbeat reports the policy it will apply to its next batch.
-    info_key = aggregator.keys.worker_info(f"{ops.env['SAMPLING_QUEUE']}-cpu@{os.uname()[1]}")
-    while time.monotonic() - saved < 3:
-        info = json.loads(aggregator.client.get(info_key) or "{}")
-        if info.get("max_batch_size") == 5:
-            break
-        time.sleep(0.05)
-    assert info.get("max_batch_size") == 5, info
+    wait_until(lambda: worker_info(ops, aggregator).get("max_batch_size") == 5, 3,
+               "the worker's heartbeat with the new policy")  # fmt: skip
     worker_seen_s = time.monotonic() - saved
     # heartbeats are 1 s apart: the worker had it at the latest one heartbeat earlier
     assert worker_seen_s < 2.0, worker_seen_s
 
     # The web processes (both take part in a burst): 2 s after the save, every batch closes
     # at 5. 15 requests: three 100 ms calls of 5 on the one worker fit the 500 ms deadline.
-    time.sleep(max(0.0, 2.0 - (time.monotonic() - saved)))
+    time.sleep(max(0.0, 2.0 - (time.monotonic() - saved)))  # duration: the bound under test
     known = {r["batch_id"] for r in before}
     burst(ops, 15, "after")
     records = [json.loads(r) for r in aggregator.batch_log.recent()]
@@ -179,8 +181,20 @@ def test_metrics_totals_across_processes_and_workers(ops: Stack) -> None:
     burst(ops, ok, "metrics")
     for _ in range(bad):
         assert sample(ops.base_url, b"").status == 400
-    time.sleep(2.5)  # the worker publishes its metrics with each heartbeat (1 s)
-    after = scrape(ops)
+
+    def with_the_workers_metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """A scrape once the worker has published the burst's batches (with each heartbeat,
+        1 s apart), and the web processes their requests."""
+        scraped = scrape(ops)
+        workers = {json.loads(r)["worker"] for r in aggregator.batch_log.recent()}
+        batched = sum(
+            scraped.get(("sampling_batch_size_sum", (("worker", worker),)), 0.0)
+            - before.get(("sampling_batch_size_sum", (("worker", worker),)), 0.0)
+            for worker in workers
+        )
+        return scraped if batched == ok else {}
+
+    after = wait_until(with_the_workers_metrics, 10, "the worker's metrics of the burst")
 
     def delta(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))
@@ -228,9 +242,19 @@ def test_stats_page_shows_the_traffic(quiet: Stack, tmp_path: Path) -> None:
     first, second = 30, 20
     burst(quiet, first, "stats")
     # More traffic in the next 10-second bucket, so that every chart has a line.
-    time.sleep(10.5 - time.time() % 10)
+    next_bucket = (time.time() // 10 + 1) * 10
+    wait_until(lambda: time.time() >= next_bucket + 0.5, 11, "the next 10-second bucket")
     burst(quiet, second, "stats2")
-    time.sleep(1.5)  # web processes flush their counters once a second
+    queue = quiet.env["SAMPLING_QUEUE"]
+    client = redis.Redis.from_url(quiet.env["REDIS_URL"])
+    wait_until(  # web processes flush their counters once a second
+        lambda: (
+            dashboard.build(client, queue, Policy()).recent.requests(RequestOutcome.OK)
+            == first + second
+        ),
+        5,
+        "the statistics flushed",
+    )
     status, page = session.get("/admin/stats/")
     assert status == 200
     # The index links to it.
@@ -238,8 +262,7 @@ def test_stats_page_shows_the_traffic(quiet: Stack, tmp_path: Path) -> None:
 
     # The statistics hold exactly this test's completions, and the page shows what the
     # dashboard computes from them (nothing has left the last minute since: the queue is new).
-    queue = quiet.env["SAMPLING_QUEUE"]
-    board = dashboard.build(redis.Redis.from_url(quiet.env["REDIS_URL"]), queue, Policy())
+    board = dashboard.build(client, queue, Policy())
     assert board.recent.requests(RequestOutcome.OK) == first + second
     headline = dict(board.headline)
     shown = page.split("completions/s (ok)</small><b>")[1].split("<")[0]

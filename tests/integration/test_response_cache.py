@@ -18,7 +18,7 @@ from batching import stats
 from batching.aggregator import BatchAggregator
 from inference_site.lib.stack import Stack
 from tests.support.http import request, sample
-from tests.support.keys import until
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ def test_an_identical_request_is_answered_from_the_cache_exactly(cached: Stack) 
     # No GPU for the hits: once a later miss is logged (a worker logs a batch after it
     # answered it), two items were sampled in all.
     assert sample(cached.base_url, prompt + "later").headers["x-cache"] == "miss"
-    until(lambda: sampled_items(cached) >= items + 2, 5)
+    wait_until(lambda: sampled_items(cached) >= items + 2, 5)
     assert sampled_items(cached) == items + 2
 
     client = OpenAI(base_url=f"{cached.base_url}/v1", api_key="EMPTY", max_retries=0)
@@ -102,7 +102,4 @@ def test_an_identical_request_is_answered_from_the_cache_exactly(cached: Stack) 
         now = counted_in_stats(cached)
         return (now[0] - stats_before[0], now[1] - stats_before[1]) == (hits, misses)
 
-    deadline = time.monotonic() + 5
-    while not in_stats():
-        assert time.monotonic() < deadline, counted_in_stats(cached)
-        time.sleep(0.1)
+    wait_until(in_stats, 5, "the lookups counted in the statistics")

@@ -106,6 +106,25 @@ def test_bad_input_gets_a_4xx_with_a_reason(service: Stack) -> None:
     assert request(service.base_url, "/sample", b"x", method="PUT").status == 405
 
 
+def test_the_direct_paths_check_the_host_and_carry_djangos_security_headers(
+    service: Stack,
+) -> None:
+    """/sample and the API skip Django's middleware (inference_site.direct): through gunicorn,
+    a host outside ALLOWED_HOSTS still gets 400, and an answer the headers Django's stack puts
+    on /healthz."""
+    refused = sample(service.base_url, "E equals ", headers={"Host": "evil.example"})
+    assert refused.status == 400
+    answered = sample(service.base_url, "E equals ")
+    through_django = request(service.base_url, "/healthz", method="GET")
+    assert answered.status == through_django.status == 200
+    for name in ("x-content-type-options", "referrer-policy", "cross-origin-opener-policy",
+                 "x-frame-options"):  # fmt: skip
+        expected = through_django.headers.get(name)
+        assert expected, name
+        assert answered.headers.get(name) == expected, name
+    assert answered.headers["content-length"] == str(len(answered.body.encode()))
+
+
 def test_health_and_readiness(service: Stack) -> None:
     assert request(service.base_url, "/healthz", method="GET").status == 200
     reply = request(service.base_url, "/readyz", method="GET")

@@ -8,9 +8,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 
+from batching.aggregator import BatchAggregator
 from inference_site.lib.stack import Stack
 from tests.support.http import request, sample
+from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
@@ -59,9 +62,12 @@ def test_one_request_over_the_in_flight_bound_gets_a_fast_503(
         env={"WEB_MAX_IN_FLIGHT": str(bound), "SAMPLING_DEADLINE_MS": str(DEADLINE_MS)},
         gpus=[],
     )
+    client = redis.Redis.from_url(stack.env["REDIS_URL"])
+    pending = BatchAggregator(client, stack.env["SAMPLING_QUEUE"]).shards[0].pending
     with ThreadPoolExecutor(bound) as pool:
         waiting = [pool.submit(sample, stack.base_url, f"wait {i}") for i in range(bound)]
-        time.sleep(0.5)  # all three in their views
+        # All three in their views: each has joined the open batch, which no worker seals.
+        wait_until(lambda: client.llen(pending) == bound, 5, "every request in its view")
         started = time.monotonic()
         refused = sample(stack.base_url, "one too many")
         assert refused.status == 503, refused.body

@@ -20,10 +20,12 @@ from batching.policy import Policy
 from batching.recommendation import RECENT_S
 from inference_site.lib.stack import Stack
 from operations import dashboard
+from operations.dashboard import TierRow
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import sample
-from tests.support.keys import bearer, create_key, until
+from tests.support.keys import bearer, create_key
+from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
@@ -58,7 +60,7 @@ def test_a_higher_tier_is_served_ahead_of_a_lower_tiers_backlog(tiered: Stack) -
         tier: create_key(tiered, f"tiers-{tier}", "--tier", tier) for tier in ("enterprise", "free")
     }
     for key in keys.values():
-        until(partial(works, tiered, key), 5)
+        wait_until(partial(works, tiered, key), 5)
     client = redis.Redis.from_url(tiered.env["REDIS_URL"])
     aggregator = BatchAggregator(client, tiered.env["SAMPLING_QUEUE"])
     free_lane = LaneKeys.of(aggregator.shards[0], STARTING_TIERS["free"])
@@ -73,7 +75,7 @@ def test_a_higher_tier_is_served_ahead_of_a_lower_tiers_backlog(tiered: Stack) -
         free = [pool.submit(send, "free", i) for i in range(BATCH * FREE_BATCHES)]
         # The free backlog is in place (full batches waiting behind the running call) before
         # the enterprise requests come.
-        until(lambda: client.zcard(free_lane.unsealed) >= FREE_BATCHES - 2, 5)
+        wait_until(lambda: client.zcard(free_lane.unsealed) >= FREE_BATCHES - 2, 5)
         enterprise = [pool.submit(send, "enterprise", i) for i in range(BATCH)]
         answers = {
             "free": [f.result() for f in free],
@@ -94,16 +96,23 @@ def test_a_higher_tier_is_served_ahead_of_a_lower_tiers_backlog(tiered: Stack) -
     assert served_after >= BATCH * (FREE_BATCHES - 3), served_after
 
     # The stats page: each tier's requests of the last minute, in its own row.
-    time.sleep(1.5)  # web processes flush their counters once a second
-    board = dashboard.build(
-        client, tiered.env["SAMPLING_QUEUE"], Policy(), tier_order=list(STARTING_TIERS)
-    )
-    rows = {row.name: row for row in board.tiers}
+    def flushed_rows() -> dict[str, TierRow]:
+        """The rows once every tier's requests are in the statistics (flushed once a second):
+        every request of this test, and the one that found the key working (those before it
+        were refused a key, in no tier)."""
+        board = dashboard.build(
+            client, tiered.env["SAMPLING_QUEUE"], Policy(), tier_order=list(STARTING_TIERS)
+        )
+        rows = {row.name: row for row in board.tiers}
+        counted = all(
+            tier in rows and round(rows[tier].goodput_rps * RECENT_S) == len(replies) + 1
+            for tier, replies in answers.items()
+        )
+        return rows if counted else {}
+
+    rows = wait_until(flushed_rows, 5, "every tier's requests in the statistics")
     assert list(rows) == ["enterprise", "free"]
-    for tier, replies in answers.items():
-        # every request of this test, and the one that found the key working (those before
-        # it were refused a key, in no tier)
-        assert round(rows[tier].goodput_rps * RECENT_S) == len(replies) + 1
+    for tier in answers:
         assert rows[tier].rejected == rows[tier].timeouts == 0
     session = AdminSession(tiered.base_url)
     session.login(ADMIN_USER, ADMIN_PASSWORD)

@@ -24,7 +24,8 @@ from sampling.schemas import UsageReport
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample
-from tests.support.keys import bearer, create_key, until
+from tests.support.keys import bearer, create_key
+from tests.support.waiting import wait_until
 from workers.samplers.simulated import SimulatedSampler, expected_completion
 
 pytestmark = pytest.mark.integration
@@ -72,7 +73,7 @@ def in_the_database(stack: Stack, key_name: str) -> dict[str, Any]:
 import json, time
 from operations import housekeeping
 from operations.models import UsageMinute
-from sampling.runtime import redis_client
+from inference_site.redis_client import redis_client
 housekeeping.persist_minutes(redis_client(), {stack.env["SAMPLING_QUEUE"]!r}, time.time() + 120)
 rows = UsageMinute.objects.filter(key__name={key_name!r})
 requests = {{}}
@@ -94,7 +95,7 @@ def test_usage_is_what_the_key_sent_live_and_in_the_rows(metered: Stack) -> None
     name = f"metered {uuid.uuid4().hex[:6]}"
     key = create_key(metered, name, "--tier", "plus")
     bystander = create_key(metered, f"bystander {uuid.uuid4().hex[:6]}")
-    until(lambda: known_everywhere(metered, key) and known_everywhere(metered, bystander), 5)
+    wait_until(lambda: known_everywhere(metered, key) and known_everywhere(metered, bystander), 5)
     day = datetime.now(UTC).date().isoformat()
     assert usage(metered, key, day)["data"] == []  # a new key has used nothing
     sampler = SimulatedSampler()
@@ -128,7 +129,7 @@ def test_usage_is_what_the_key_sent_live_and_in_the_rows(metered: Stack) -> None
 
     # Within 10 s: a second per flush, and CI's cores are shared with the suite's other stacks.
     try:
-        until(counted, 10)
+        wait_until(counted, 10)
     except AssertionError as failed:
         raise AssertionError(f"{failed}; sent {sent}, /v1/usage said {seen}") from None
     [live] = usage(metered, key, day)["data"]

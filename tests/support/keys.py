@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 from inference_site.lib.stack import ROOT, Stack
 
@@ -22,12 +20,3 @@ def create_key(stack: Stack, name: str, *options: str) -> str:
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-def until(check: Callable[[], bool], within_s: float) -> float:
-    """Seconds until `check()` held (polled every 50 ms); fails after `within_s`."""
-    started = time.monotonic()
-    while not check():
-        assert time.monotonic() - started < within_s, f"not within {within_s} s"
-        time.sleep(0.05)
-    return time.monotonic() - started

@@ -15,6 +15,7 @@ from batching import stats
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
+from inference_site import redis_client as web_redis
 from operations import housekeeping, usage
 from operations.models import (
     ApiKey,
@@ -25,7 +26,6 @@ from operations.models import (
     UsageMinute,
     default_policy,
 )
-from sampling import runtime
 from tests.support import unique_queue
 
 pytestmark = pytest.mark.django_db
@@ -34,9 +34,9 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def live_redis(settings: object, redis_url: str) -> Iterator[redis.Redis]:
     settings.REDIS_URL = redis_url  # type: ignore[attr-defined]
-    runtime._clients.clear()
-    yield runtime.redis_client()
-    runtime._clients.clear()
+    web_redis.forget_clients()
+    yield web_redis.redis_client()
+    web_redis.forget_clients()
 
 
 def test_a_saved_policy_is_audited_and_published(

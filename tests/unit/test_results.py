@@ -16,7 +16,13 @@ import redis
 from celery import Celery, states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
-from batching.results import SharedListenerRedisBackend, listener_for, queue_result
+from batching.results import (
+    SharedListenerRedisBackend,
+    listener_for,
+    queue_result,
+    results_channel,
+)
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -33,6 +39,12 @@ def backend_of(app: Celery) -> SharedListenerRedisBackend:
     backend = app.backend
     assert isinstance(backend, SharedListenerRedisBackend)
     return backend
+
+
+def subscribers(client: redis.Redis, channel: str) -> int:
+    """The connections subscribed to `channel`, as the server counts them."""
+    ((_, count),) = client.pubsub_numsub(channel)
+    return int(count)
 
 
 def store(app: Celery, task_id: str, value: object, state: str = states.SUCCESS) -> None:
@@ -60,11 +72,8 @@ def test_every_local_waiter_of_a_batch_is_woken(app: Celery) -> None:
 
     with ThreadPoolExecutor(waiters) as pool:
         futures = [pool.submit(wait, i) for i in range(waiters)]
-        deadline = time.monotonic() + 5
         listener = backend_of(app).listener
-        while listener.pending_count() == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)  # let every waiter register
+        wait_until(lambda: listener.waiting_on(task_id) == waiters, 5, "every waiter registered")
         published = time.monotonic()
         store(app, task_id, [f"answer {i}" for i in range(waiters)])
         outcomes = [f.result() for f in futures]
@@ -108,6 +117,8 @@ def test_listener_survives_a_dropped_connection(app: Celery, redis_url: str) -> 
     store(app, "warm-" + task_id, [1])
     assert app.AsyncResult("warm-" + task_id).get(timeout=2) == [1]
     client = listener.client
+    channel = results_channel(task_id)
+    subscribed = subscribers(client, channel)
     killed = 0
     for entry in client.client_list():
         if entry.get("cmd") in ("subscribe", "unsubscribe", "ping"):
@@ -116,7 +127,11 @@ def test_listener_survives_a_dropped_connection(app: Celery, redis_url: str) -> 
     result: list[object] = []
     waiter = threading.Thread(target=lambda: result.append(app.AsyncResult(task_id).get(timeout=5)))
     waiter.start()
-    time.sleep(0.5)  # the listener reconnects and subscribes the pending id again
+    wait_until(  # the listeners reconnect and subscribe their channels again
+        lambda: listener.waiting_on(task_id) == 1 and subscribers(client, channel) >= subscribed,
+        5,
+        "the listener subscribed again",
+    )
     store(app, task_id, ["after reconnect"])
     waiter.join(timeout=6)
     assert result == [["after reconnect"]]
@@ -130,9 +145,19 @@ def test_a_success_queued_on_a_pipeline_is_stored_as_celery_stores_one(
     answers = [["ok", "first"], ["expired", "deadline could not be met"]]
     by_celery, by_pipeline = uuid.uuid4().hex, uuid.uuid4().hex
     backend = backend_of(app)
+    client = redis.Redis.from_url(redis_url)
+    channel = results_channel(by_pipeline)
+    before = subscribers(client, channel)
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(lambda: app.AsyncResult(by_pipeline).get(timeout=5))
-        time.sleep(0.1)  # subscribed: the PUBLISH is what wakes it
+        wait_until(  # subscribed: the PUBLISH is what wakes it
+            lambda: (
+                backend.listener.waiting_on(by_pipeline) == 1
+                and subscribers(client, channel) > before
+            ),
+            5,
+            "the waiter subscribed",
+        )
         store(app, by_celery, answers)
         with redis.Redis.from_url(redis_url).pipeline(transaction=False) as pipe:
             queue_result(pipe, backend, by_pipeline, answers)
@@ -144,6 +169,5 @@ def test_a_success_queued_on_a_pipeline_is_stored_as_celery_stores_one(
         meta.pop("task_id")
         meta.pop("date_done")
     assert pipeline_meta == celery_meta
-    client = redis.Redis.from_url(redis_url)
     expiry = client.ttl(backend.get_key_for_task(by_pipeline))
     assert 0 < expiry <= client.ttl(backend.get_key_for_task(by_celery)) + 1

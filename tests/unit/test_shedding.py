@@ -77,7 +77,7 @@ def test_without_a_header_arrival_is_when_the_kernel_got_the_bytes(
 ) -> None:
     client, served = tcp_pair
     client.sendall(b"POST /sample HTTP/1.1\r\nContent-Length: 1\r\n\r\nx")
-    time.sleep(0.25)  # the request waits unread, as in a saturated process's backlog
+    time.sleep(0.25)  # duration: the request waits unread, as in a saturated process's backlog
     shedder = Shedder(max_in_flight=10)
     before = time.monotonic()
     arrival = shedder.arrival({"gunicorn.socket": served})

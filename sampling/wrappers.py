@@ -1,0 +1,163 @@
+"""The Django seam of the request path: small wrappers that make a view of a handler.
+
+- `counted(handle, words)`: a generating endpoint (/sample, /v1 completions and chat,
+  /api/inference): shed, authenticated, rate limited, counted.
+- `openai_get(view)`: a GET endpoint of the API (/v1/models, /v1/usage): 405 for another
+  method, authenticated, its refusals in OpenAI's error JSON.
+- `authenticate(request, process)` and `answer_failure(words, failure)`: the two steps both
+  share, usable alone.
+
+What happens to a request's items between (join, dispatch, wait) is Django-free
+(sampling.submission); how each endpoint words a refusal is sampling.responses.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Concatenate, ParamSpec
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from batching.access import Caller
+from batching.outcomes import RequestOutcome
+from batching.problems import Failure, Problem
+from sampling import metrics
+from sampling.responses import Invalid, openai_failure, openai_invalid
+from sampling.runtime import WebProcess, web_process
+from sampling.shedding import ShedReason
+
+P = ParamSpec("P")
+
+Handler = Callable[[HttpRequest, WebProcess, float, Caller], tuple[RequestOutcome, HttpResponse]]
+Words = Callable[[Failure], HttpResponse]  # how an endpoint says a Failure
+View = Callable[[HttpRequest], HttpResponse]
+
+
+def authenticate(request: HttpRequest, process: WebProcess) -> Caller | Failure:
+    """The request's caller, from its Authorization header and this process's copy of the
+    keys (no Redis call): a 401 Failure for a missing key (when SAMPLING_REQUIRE_API_KEY is
+    on), a malformed header, or an unknown, revoked or expired key; anonymous otherwise."""
+    found = process.access.identify(
+        request.META.get("HTTP_AUTHORIZATION"), settings.SAMPLING_REQUIRE_API_KEY
+    )
+    if isinstance(found, Caller):
+        return found
+    if found is None:  # the keys were never read: Redis away since this process started
+        return Failure(Problem.UNAVAILABLE, "API keys cannot be checked yet")
+    return Failure(Problem.UNAUTHORIZED, str(found))
+
+
+def answer_failure(words: Words, failure: Failure) -> HttpResponse:
+    """An endpoint's wording of `failure`, with the headers its problem asks for."""
+    response = words(failure)
+    for name, value in failure.headers().items():
+        response[name] = value
+    return response
+
+
+def counted(handle: Handler, words: Words) -> View:
+    """A view around `handle(request, process, arrival, caller)`: the request shed first if
+    this process cannot start it in time (sampling.shedding), its deadline counted from its
+    arrival (`X-Request-Start`, else when its bytes reached the kernel, else now); then the
+    caller authenticated and checked against its rate limits first (a refusal worded by
+    `words`), every answer to a limited caller with its x-ratelimit-* headers, and every
+    request counted in memory (statistics flushed to Redis once a second) and in this
+    process's Prometheus file, with no round trip on the request path. CSRF does not apply
+    to the API (no cookies)."""
+
+    @csrf_exempt
+    def view(request: HttpRequest) -> HttpResponse:
+        process = web_process()
+        arrival = process.shedder.arrival(request.META)  # the deadline counts from here
+        shed = _shed(process, arrival)
+        caller: Caller | Failure
+        if shed is not None:
+            reason, caller = shed
+            metrics.record_shed(reason)
+            outcome, response = caller.outcome, answer_failure(words, caller)
+        else:
+            process.shedder.in_flight += 1
+            try:
+                caller, outcome, response = _admitted(request, process, arrival, handle, words)
+            finally:
+                process.shedder.in_flight -= 1
+        latency_s = time.monotonic() - arrival
+        key_id = 0 if isinstance(caller, Failure) else caller.key_id
+        tier = "" if isinstance(caller, Failure) else caller.tier
+        process.stats.record(outcome, latency_s, key_id=key_id, tier=tier)
+        metrics.record_request(outcome, latency_s, tier)
+        return response
+
+    view.__name__ = view.__qualname__ = handle.__name__.lstrip("_")
+    return view
+
+
+def _admitted(
+    request: HttpRequest, process: WebProcess, arrival: float, handle: Handler, words: Words
+) -> tuple[Caller | Failure, RequestOutcome, HttpResponse]:
+    """A request this process started: authenticated, rate limited, handled."""
+    caller = authenticate(request, process)
+    if isinstance(caller, Failure):
+        return caller, caller.outcome, answer_failure(words, caller)
+    limited = process.limiter.check(caller)
+    if limited is not None:
+        refusal = Failure(Problem.RATE_LIMITED, limited.message, limited.retry_after_s)
+        outcome, response = refusal.outcome, answer_failure(words, refusal)
+    else:
+        outcome, response = handle(request, process, arrival, caller)
+    for header, value in process.limiter.headers(caller).items():
+        response[header] = value
+    return caller, outcome, response
+
+
+def _shed(process: WebProcess, arrival: float) -> tuple[ShedReason, Failure] | None:
+    """Why this process refuses to start the request, and the refusal; None to start it."""
+    shedder = process.shedder
+    deadline_ms = process.watcher.current.deadline_ms
+    reason = shedder.refusal(arrival, deadline_ms)
+    if reason is None:
+        return None
+    if reason == ShedReason.IN_FLIGHT:
+        message = f"overloaded: this web process holds {shedder.max_in_flight} requests already"
+    else:
+        waited_ms = (time.monotonic() - arrival) * 1000
+        message = (
+            f"overloaded: the request waited {waited_ms:.0f} ms of its {deadline_ms} ms "
+            "deadline before this server could start it"
+        )
+    return reason, Failure(Problem.OVERLOADED, message)
+
+
+def require_get(request: HttpRequest) -> None:
+    if request.method not in ("GET", "HEAD"):
+        raise Invalid(f"use GET on {request.path}", status=405, code="method_not_allowed",
+                      headers={"Allow": "GET, HEAD"})  # fmt: skip
+
+
+def openai_get(
+    view: Callable[Concatenate[HttpRequest, Caller, P], HttpResponse | Failure],
+) -> Callable[Concatenate[HttpRequest, P], HttpResponse]:
+    """A GET endpoint of the API around `view(request, caller, ...)`: another method gets 405
+    (not the CSRF page), the caller is authenticated (401), and what the view refuses (an
+    `Invalid` raised, a `Failure` returned) is worded in OpenAI's error JSON."""
+
+    @csrf_exempt
+    @functools.wraps(view)
+    def wrapped(request: HttpRequest, /, *args: P.args, **kwargs: P.kwargs) -> HttpResponse:
+        try:
+            require_get(request)
+            caller = authenticate(request, web_process())
+            if isinstance(caller, Failure):
+                return answer_failure(openai_failure, caller)
+            answer = view(request, caller, *args, **kwargs)
+        except Invalid as invalid:
+            return openai_invalid(invalid)
+        if isinstance(answer, Failure):
+            return answer_failure(openai_failure, answer)
+        return answer
+
+    return wrapped
