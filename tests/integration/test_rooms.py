@@ -3,7 +3,6 @@ the core, never the GPU workers' runtime or a model library."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from inference_site.lib.stack import Stack
 from tests.support.http import sample
+from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
@@ -29,10 +29,7 @@ def test_a_web_process_serving_sample_never_imports_the_workers(
     reply = sample(stack.base_url, "E equals ")
     assert (reply.status, reply.body) == (200, expected_completion("E equals "))
     # The hook runs after the answer is sent: give it a moment.
-    give_up = time.monotonic() + 5
-    while not (dumps := list(tmp_path.glob("*.txt"))) and time.monotonic() < give_up:
-        time.sleep(0.05)
-    assert dumps, "the gunicorn hook wrote no module list"
+    dumps = wait_until(lambda: list(tmp_path.glob("*.txt")), 5, "the gunicorn hook's module list")
     modules = set(dumps[0].read_text().split())
     # The list is the process's: it holds the request path that just answered.
     assert {"sampling.views", "batching.aggregator", "batching.results"} <= modules

@@ -22,6 +22,7 @@ from inference_site.lib.embedded_redis import free_port
 from inference_site.lib.stack import Stack
 from tests.support.http import request, sample
 from tests.support.probe_sampler import seen_key
+from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
@@ -163,11 +164,13 @@ def test_deadline_shorter_than_a_call_gives_504_and_never_reaches_the_sampler(
     assert seconds[-1] < deadline_s + 0.080, seconds
     # The worker has dropped them: wait until it has sealed every batch, then look.
     client = redis.Redis.from_url(probe.env["REDIS_URL"])
-    time.sleep(0.5)
+    wait_until(
+        lambda: sum(int(r["expired"]) for r in batch_records(probe)) >= len(prompts),
+        5,
+        "every late prompt's batch sealed and dropped",
+    )
     seen = {raw.decode() for raw in client.lrange(seen_key(probe.env["SAMPLING_QUEUE"]), 0, -1)}
     assert seen.isdisjoint(prompts)
-    expired = sum(int(r["expired"]) for r in batch_records(probe))
-    assert expired >= len(prompts)
     # the probe itself still works with the normal deadline
     assert sample(probe.base_url, "E equals ").body == "MC squared"
 
@@ -195,13 +198,12 @@ def test_stopped_worker_gives_504_at_the_deadline_and_unready(
     for reply in replies:
         assert reply.status == 504, reply.body
         assert 0.5 <= reply.seconds < 0.5 + 0.05, reply.seconds
-    deadline = time.monotonic() + 8
-    while time.monotonic() < deadline:
+
+    def unready() -> Any:
         reply = request(stack.base_url, "/readyz", method="GET")
-        if reply.status == 503:
-            break
-        time.sleep(0.2)
-    assert reply.status == 503
+        return reply if reply.status == 503 else None
+
+    reply = wait_until(unready, 8, "/readyz unready")
     assert "no live worker" in reply.body
     # A probe's 503 is an answer, not a server error: not in the web log as one.
     assert stack.log_dir is not None
@@ -240,7 +242,7 @@ def test_a_batch_left_by_a_dead_dispatcher_is_handed_over(service: Stack) -> Non
     aggregator = BatchAggregator(client, service.env["SAMPLING_QUEUE"])
     stranded = aggregator.append("stranded prompt", 2000)  # opened, never dispatched
     assert stranded.opened
-    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.05)
+    time.sleep(DISPATCH_GRACE_MS / 1000 + 0.05)  # duration: the dispatcher's grace runs out
     reply = sample(service.base_url, "the next request")
     assert (reply.status, reply.body) == (200, expected_completion("the next request"))
     app = Celery("stranded-member", set_as_current=False)

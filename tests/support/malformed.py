@@ -208,7 +208,7 @@ def send(host: str, port: int, case: Case, timeout_s: float, slow_step_s: float 
             if case.how == SLOW:
                 for start in range(0, len(case.data), 8):
                     connection.sendall(case.data[start : start + 8])
-                    time.sleep(slow_step_s)
+                    time.sleep(slow_step_s)  # duration: a slow client's pause
             else:
                 connection.sendall(case.data)
             if case.how == HALF_CLOSE:
