@@ -1,8 +1,13 @@
 """The CUDA graph path on a GPU: the packaged SmolLM2-135M on cuda:0, its decode steps captured
 at load (SAMPLING_CUDA_GRAPHS=on) for every batch-size bucket.
 
-In bf16, as a worker serves it, replays must equal the same steps run eagerly bit for bit (the
-same kernels on the same shapes). Comparisons across shapes (graphs against `generate`, a
+In bf16, as a worker serves it, a replayed step must equal the same step run eagerly bit for
+bit (the same kernels on the same shapes), from the same prefill of real prompts, in every
+bucket. Whole calls are compared in bf16 only up to 8 rows: on an H100 (torch 2.11, CUDA 13)
+the same 37- or 100-row call run twice on the same path (graphs, eager steps, or even eager
+`generate`) differed in a few rows, while each single step was bit-identical (see the GPU
+report in docs/), so at those sizes a whole call's equality tests the GPU's run-to-run
+reproducibility, not the capture. Comparisons across shapes (graphs against `generate`, a
 padded batch against each prompt alone, 37 rows in a 100-row bucket) run in float32: in bf16,
 another kernel for another shape rounds differently, and over thousands of greedy tokens one
 near-tie flips, which says nothing of the batching logic these tests are about.
@@ -29,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from bench.sampler.models import prompts_of_tokens
 from workers.samplers.base import Completion, GenerationSettings, Row, RowSettings
 from workers.samplers.hf import HFSampler
-from workers.samplers.static_decode import StaticDecoder
+from workers.samplers.static_decode import Bucket, StaticDecoder, bucket_for
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -39,6 +44,7 @@ pytestmark = pytest.mark.skipif(
 
 NEW_TOKENS = 32
 SIZES = [1, 7, 8, 37, 64, 100]
+REPRODUCIBLE_CALL_SIZES = [1, 7, 8]  # whole bf16 calls equal run to run on the H100 measured
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +76,12 @@ def graphs(sampler: HFSampler) -> StaticDecoder:
 
 
 @pytest.fixture(scope="module")
+def eager(sampler: HFSampler) -> StaticDecoder:
+    """The same static caches, their steps run eagerly."""
+    return sampler.static_decoder(graphs=False)
+
+
+@pytest.fixture(scope="module")
 def prompts(sampler: HFSampler) -> list[str]:
     """100 distinct prompts of 20 to 200 tokens."""
     return prompts_of_tokens(100, 20, 200, sampler.count_tokens)
@@ -98,7 +110,32 @@ def rows_of(prompts: list[str]) -> list[Row]:
     return [Row(prompt, settings[i % len(settings)]) for i, prompt in enumerate(prompts)]
 
 
+def first_step(decoder: StaticDecoder, bucket: Bucket, prompts: list[list[int]]) -> torch.Tensor:
+    """The logits of the first decode step after the prompts' prefill: replayed where the
+    bucket has a graph, run eagerly where it has none."""
+    logits, ids = decoder._prefill(bucket, prompts)
+    bucket.token[: len(prompts), 0] = logits[: len(prompts)].argmax(dim=-1)
+    bucket.position.add_(1)
+    bucket.mask[:, 0, 0, ids.shape[1]] = True
+    return decoder._step(bucket)[: len(prompts)].clone()
+
+
 @pytest.mark.parametrize("size", SIZES)
+def test_a_replayed_step_equals_the_same_step_run_eagerly_bit_for_bit(
+    sampler: HFSampler, graphs: StaticDecoder, eager: StaticDecoder, prompts: list[str], size: int
+) -> None:
+    ids = [sampler.tokenizer(prompt)["input_ids"] for prompt in prompts[:size]]
+    rows = bucket_for(size, list(graphs.buckets))
+    assert rows is not None
+    with torch.inference_mode():
+        replayed = first_step(graphs, graphs.buckets[rows], ids)
+        stepped = first_step(eager, eager.buckets[rows], ids)
+    assert graphs.buckets[rows].graph is not None
+    assert eager.buckets[rows].graph is None
+    assert torch.equal(replayed, stepped)
+
+
+@pytest.mark.parametrize("size", REPRODUCIBLE_CALL_SIZES)
 def test_graph_replays_write_what_the_same_steps_write_eagerly(
     sampler: HFSampler, graphs: StaticDecoder, prompts: list[str], size: int
 ) -> None:

@@ -15,6 +15,7 @@ from batching.generation import Completion, Row, RowSettings
 from inference_site.lib.stack import Stack
 from tests.support.http import sample
 from tests.support.worker import worker_output_at_exit
+from workers.samplers.base import GenerationSettings
 from workers.samplers.hf import HFSampler
 
 pytestmark = pytest.mark.integration
@@ -82,6 +83,10 @@ def test_the_openai_client_gets_smollm2_row_by_row_with_its_chat_template(
             temperature=0.7, seed=3,
         )  # fmt: skip
         chat_answer, completion = chatted.result(), completed.result()
+    # The same model on the worker's device: this stack's worker runs on the CPU in float32,
+    # and a seeded draw from a GPU's bf16 logits is another draw.
+    if smollm2.device != "cpu":
+        smollm2 = HFSampler("", GenerationSettings(max_new_tokens=8), device="cpu")
     rendered = smollm2.render_chat(chat)
     [alone] = smollm2.batched_complete([Row(rendered, smollm2.row_settings(), templated=True)])
     assert isinstance(alone, Completion)

@@ -216,6 +216,12 @@ def test_a_worker_told_graphs_on_without_a_gpu_exits_saying_why(
 
 
 def test_packaged_smollm2_writes_the_same_on_the_static_path(smollm2: HFSampler) -> None:
+    if smollm2.device != "cpu":
+        pytest.skip(
+            f"smollm2 is on {smollm2.device} in {smollm2.dtype}, on CUDA graphs: tests/gpu "
+            "compares them with eager generate there, in float32 (bf16 rounds other shapes "
+            "differently)"
+        )
     eager, static = eager_and_static(smollm2, MIXED_PROMPTS)
     assert static == eager
     assert "Paris" in str(
