@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from batching.outcomes import ItemOutcome
 from batching.problems import Problem
@@ -26,8 +25,10 @@ from batching.problems import Problem
 WireAnswer = list[Any]
 
 
-@dataclass(frozen=True)
-class Answer:
+class Answer(NamedTuple):
+    """A named tuple, not a dataclass: a worker makes one per item between two calls, on the
+    GPU's path, and a tuple is made in a sixth of a frozen dataclass's time."""
+
     outcome: ItemOutcome
     text: str  # the completion for OK; a one-line reason otherwise
     # An API request's completion: why it ended, and its tokens. None: a /sample answer, a
