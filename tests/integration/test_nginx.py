@@ -17,11 +17,12 @@ from django.conf import settings
 
 from batching.policy import BOUNDS
 from bench.harness.proxy import CONFIG_DIR, Nginx, nginx_binary
-from bench.slowloris.fronts import Front, measure_fronts
+from bench.slowloris.fronts import Front, measure, measure_fronts
 from inference_site.lib.stack import Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request
+from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
@@ -138,7 +139,13 @@ def test_slow_clients_cost_nginx_not_gunicorn(stack: Stack, nginx: Nginx) -> Non
     its 2,000 connections, and requests fail or wait far past their deadline. How much the p99
     moves is a figure for `python -m bench slowloris` (medians of repeated runs, in the README),
     not for one 10 s run on 2 shared cores, where the slow clients' own events compete for the
-    CPU."""
+    CPU. The stack serves a second of the load in full before the first measure: processes
+    that earlier tests left exiting on the same cores are not what this test measures."""
+    wait_until(
+        lambda: measure(nginx.port, 1.0)["ok"] == 1.0,
+        60,
+        "every request of a second's load answered 200",
+    )
     rows = measure_fronts(
         [Front("nginx", nginx.port), Front("gunicorn", stack.port)],
         slow=3000,
