@@ -166,14 +166,6 @@ class AccessWatcher:
         self.loop = PeriodicLoop("access-watcher", self._poll, interval_s, "read the API keys")
 
     @property
-    def interval_s(self) -> float:
-        return self.loop.interval_s
-
-    @interval_s.setter
-    def interval_s(self, value: float) -> None:
-        self.loop.interval_s = value
-
-    @property
     def anonymous(self) -> Caller:
         return self._anonymous
 

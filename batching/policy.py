@@ -195,14 +195,6 @@ class PolicyWatcher:
             "policy-watcher", self.refresh, interval_s, f"read the policy of {queue}"
         )
 
-    @property
-    def interval_s(self) -> float:
-        return self.loop.interval_s
-
-    @interval_s.setter
-    def interval_s(self, value: float) -> None:
-        self.loop.interval_s = value
-
     def on_change(self, listener: Callable[[Policy], None]) -> None:
         """Call `listener(policy)` now and whenever the policy changes (from the poller)."""
         self._listeners.append(listener)
