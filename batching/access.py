@@ -2,10 +2,17 @@
 
 Operators create keys and tiers in the admin or with `manage.py createapikey`
 (operations.models); each change is published to Redis as a record in one hash, with a version
-counter raised in the same MULTI. Every web process polls the counter twice a second and
-reads the hash again only when it moved (`AccessWatcher`), so a request checks its key in
-memory: no database, no Redis call. A new key, a revocation or a limit change reaches every
-process within POLL_INTERVAL_S plus one read.
+counter raised and the digest of the whole set written in the same MULTI. Every web process
+polls the counter and the digest twice a second and reads the hash again only when one moved
+(`AccessWatcher`), so a request checks its key in memory: no database, no Redis call. A new
+key, a revocation or a limit change reaches every process within POLL_INTERVAL_S plus one read.
+
+Redis losing the set (a restart with no data) changes nothing a request sees: a process keeps
+its last good set while the digest is absent, and has it republished at once from the
+database (the `republish` callback a web process is given; housekeeping does it too, every
+few seconds). The digest, not the counter, tells a change: a counter restarts at 0 with
+Redis's data and may climb back to the value a process last saw, a digest of other records
+cannot.
 
 Keys are random (`new_key`), shown once, and stored only as their SHA-256 (`digest_of`) with a
 visible prefix for operators; the raw key is never logged. This module knows nothing of
@@ -105,36 +112,57 @@ class Refusal(StrEnum):
     EXPIRED = "API key expired"
 
 
+def digest_of_records(fields: Mapping[str, str]) -> str:
+    """The SHA-256 of a set of published records (field -> JSON), whatever their order."""
+    return hashlib.sha256(json.dumps(sorted(fields.items())).encode()).hexdigest()
+
+
 def replace_all(
     client: redis.Redis,
     records: Callable[[], Mapping[str, KeyRecord | Caller]],
     keys: AccessKeys = KEYS,
     attempts: int = 5,
+    unless_intact: bool = False,
 ) -> bool:
     """The published records become exactly `records()`: every key (digest -> its record)
     and every tier ("tier:<name>" -> the caller its anonymous requests get), in one MULTI
-    with the version's raise. A few thousand records are one HSET, so every change
-    republishes all, and Redis can never keep a record the database lost.
+    with the version's raise and the set's digest. A few thousand records are one HSET, so
+    every change republishes all, and Redis can never keep a record the database lost.
 
     `records()` reads the database after the version is watched: two publishers racing
     (two saves, or a save and housekeeping) cannot leave the older snapshot published, since
     the later EXEC fails when the version moved, and that publisher reads again. False when
-    the version kept moving for `attempts` tries (the others published a newer snapshot)."""
+    the version kept moving for `attempts` tries (the others published a newer snapshot).
+
+    `unless_intact`: nothing is written when the published set is intact (its digest there
+    and right), as when another process republished it first; many processes noticing a
+    lost set at once read the database once or twice each, and one publishes."""
     with client.pipeline(transaction=True) as pipe:
         for _ in range(attempts):
             try:
-                pipe.watch(keys.version)
-                snapshot = records()
+                pipe.watch(keys.version, keys.digest)
+                if unless_intact and intact(pipe, keys):
+                    pipe.unwatch()
+                    return True
+                snapshot = {k: v.to_json() for k, v in records().items()}
                 pipe.multi()
                 pipe.delete(keys.records)
                 if snapshot:
-                    pipe.hset(keys.records, mapping={k: v.to_json() for k, v in snapshot.items()})
+                    pipe.hset(keys.records, mapping=snapshot)
+                pipe.set(keys.digest, digest_of_records(snapshot))
                 pipe.incr(keys.version)
                 pipe.execute()
                 return True
             except redis.WatchError:
                 continue
     return False
+
+
+def intact(client: redis.Redis, keys: AccessKeys = KEYS) -> bool:
+    """The published set is there and whole: its digest is present and matches its records
+    (False after Redis lost its data, or when only an older publisher wrote it)."""
+    digest = client.get(keys.digest)
+    return digest is not None and digest.decode() == digest_of_records(published(client, keys))
 
 
 def tier_field(tier: str) -> str:
@@ -151,12 +179,21 @@ class AccessWatcher:
     `identify` checks a request's Authorization header against it, in memory."""
 
     def __init__(
-        self, client: redis.Redis, interval_s: float = POLL_INTERVAL_S, keys: AccessKeys = KEYS
+        self,
+        client: redis.Redis,
+        interval_s: float = POLL_INTERVAL_S,
+        keys: AccessKeys = KEYS,
+        republish: Callable[[], object] | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
+        # Called when the published set is missing or broken (Redis lost its data): publish
+        # it again from the source of truth (a web process: the database; replace_all with
+        # unless_intact). The last good set is kept meanwhile, and without one.
+        self.republish = republish
         self.loaded = False  # False until the records were read once
-        self._version: bytes | None = None
+        self.missing_since: float | None = None  # monotonic, while Redis has no intact set
+        self._seen_as: tuple[bytes | None, bytes | None] | None = None  # (version, digest)
         self._keys: dict[str, KeyRecord] = {}
         self._anonymous = anonymous_caller()
         self._seen: dict[int, float] = {}  # key id -> last seen (epoch s), not yet flushed
@@ -170,16 +207,56 @@ class AccessWatcher:
         return self._anonymous
 
     def refresh(self) -> bool:
-        """Read the records again when their version moved; True when it did. Raises redis
-        errors."""
-        version = self.client.get(self.keys.version)
-        if self.loaded and version == self._version:
+        """Read the records again when their version or digest moved; True when the set this
+        process applies was read again. A missing or broken set (Redis lost it) leaves the
+        last good one in place and is republished at once. Raises redis errors."""
+        version, digest = self.client.mget(self.keys.version, self.keys.digest)
+        if digest is not None and self.loaded and (version, digest) == self._seen_as:
+            changed = False
+        elif digest is not None and self._load():
+            changed = True
+        else:
+            self._on_missing()
+            if self.client.get(self.keys.digest) is None or not self._load():
+                return False
+            changed = True
+        if self.missing_since is not None:
+            log.info(
+                "the published API keys are back after %.1f s",
+                time.monotonic() - self.missing_since,
+            )
+            self.missing_since = None
+        return changed
+
+    def _on_missing(self) -> None:
+        if self.missing_since is None:
+            self.missing_since = time.monotonic()
+            log.warning(
+                "the published API keys are missing in Redis: %s",
+                "republishing them" if self.republish else "keeping the last ones read",
+            )
+        if self.republish is not None:
+            self.republish()
+
+    def _load(self) -> bool:
+        """Read the set, its version and digest at once; False (nothing applied) when the
+        records do not match the digest."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.get(self.keys.version)
+            pipe.get(self.keys.digest)
+            pipe.hgetall(self.keys.records)
+            version, digest, raw = pipe.execute()
+        fields = {name.decode(): value.decode() for name, value in raw.items()}
+        if digest is None or digest.decode() != digest_of_records(fields):
             return False
-        raw = self.client.hgetall(self.keys.records)
+        self._apply(fields)
+        self._seen_as, self.loaded = (version, digest), True
+        return True
+
+    def _apply(self, fields: Mapping[str, str]) -> None:
         keys: dict[str, KeyRecord] = {}
         anonymous = anonymous_caller()
-        for name, value in raw.items():
-            field = name.decode()
+        for field, value in fields.items():
             try:
                 if field.startswith("tier:"):
                     if field == tier_field(ANONYMOUS_TIER):
@@ -190,8 +267,6 @@ class AccessWatcher:
                 log.error("ignoring an invalid published key record: %s", exc)
         self._keys, self._anonymous = keys, anonymous
         self.limits_tokens = bool(anonymous.tpm) or any(r.caller.tpm for r in keys.values())
-        self._version, self.loaded = version, True
-        return True
 
     def after_poll(self, job: Callable[[], None]) -> None:
         """Run `job` after each poll, in the poller's thread (it may raise redis errors)."""

@@ -97,9 +97,16 @@ class AccessKeys:
 
     @cached_property
     def version(self) -> str:
-        """A counter raised by every change to `records`: a process reads this one value
-        twice a second, and the whole hash only when it moved."""
+        """A counter raised by every change to `records` (the publishers' WATCH); a process
+        reads it with `digest` twice a second, and the whole hash only when either moved."""
         return f"{self.prefix}:version"
+
+    @cached_property
+    def digest(self) -> str:
+        """The SHA-256 of `records` as published (batching.access.digest_of_records), written
+        in the same MULTI: what a process compares to tell a change, which a restarted
+        counter cannot fake; absent when Redis lost the set (a restart with no data)."""
+        return f"{self.prefix}:digest"
 
     @cached_property
     def last_used(self) -> str:

@@ -19,6 +19,8 @@ class OperationsConfig(AppConfig):
         # The web processes' background loop runs the housekeeping every few seconds; the
         # request path (sampling) knows nothing of this app, so the app registers itself.
         from operations import housekeeping
-        from sampling.runtime import register_background_job
+        from operations.models import republish_missing_access
+        from sampling.runtime import register_access_republisher, register_background_job
 
         register_background_job(housekeeping.run)
+        register_access_republisher(republish_missing_access)

@@ -19,8 +19,9 @@ import redis
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
-from django.db import models, transaction
+from django.db import close_old_connections, models, transaction
 from django.db.models import Max
+from django.db.models.signals import post_delete, post_save
 
 from batching import access
 from batching import policy as live_policy
@@ -283,21 +284,12 @@ _LIMIT_HELP = "0: no limit."
 
 class PublishesAccess(models.Model):
     """A model whose rows are part of the published key and tier records: every save and
-    delete republishes them once its transaction commits."""
+    every delete, one row's or a queryset's (the admin's "Delete selected"), republishes
+    them once its transaction commits (post_save and post_delete, connected below; a
+    queryset's update() sends no signal and is not used on these models)."""
 
     class Meta:
         abstract = True
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        with transaction.atomic():
-            super().save(*args, **kwargs)
-            transaction.on_commit(publish_access)
-
-    def delete(self, *args: Any, **kwargs: Any) -> Any:
-        with transaction.atomic():
-            result = super().delete(*args, **kwargs)
-            transaction.on_commit(publish_access)
-        return result
 
 
 class Tier(PublishesAccess):
@@ -349,6 +341,9 @@ class ApiKey(PublishesAccess):
         default=False, help_text="A revoked key gets 401 everywhere within a second or two."
     )
     last_used = models.DateTimeField(null=True, blank=True, editable=False)
+    # The raw key, on the instance that issue() gave it only (never saved): what the admin's
+    # response to its creation shows.
+    issued_key: str | None = None
 
     class Meta:
         ordering = ["-created"]
@@ -389,6 +384,31 @@ def access_records() -> dict[str, access.KeyRecord | access.Caller]:
     for tier in Tier.objects.all():
         records[access.tier_field(tier.name)] = tier.as_caller()
     return records
+
+
+def publish_after_commit(**_: Any) -> None:
+    """Republish once the current transaction commits, once however many rows it changed
+    (a bulk delete of a hundred keys publishes once); at once outside a transaction."""
+    connection = transaction.get_connection()
+    if connection.in_atomic_block and any(
+        entry[1] is publish_access for entry in connection.run_on_commit
+    ):
+        return
+    transaction.on_commit(publish_access)
+
+
+for _model in (Tier, ApiKey):
+    post_save.connect(publish_after_commit, sender=_model, dispatch_uid=f"publish-{_model}")
+    post_delete.connect(publish_after_commit, sender=_model, dispatch_uid=f"withdraw-{_model}")
+
+
+def republish_missing_access(client: redis.Redis) -> None:
+    """Publish every key and tier from the database unless Redis's set is intact: called by a
+    web process's key watcher the moment it finds the set missing (Redis lost its data)."""
+    try:
+        access.replace_all(client, access_records, unless_intact=True)
+    finally:
+        close_old_connections()  # the watcher's thread keeps no database connection
 
 
 def publish_access() -> None:

@@ -34,6 +34,11 @@ BACKGROUND_JOB_INTERVAL_S = 10.0
 # housekeeping here (operations.apps), so the request path does not import that app.
 BackgroundJob = Callable[[redis.Redis, str, Policy], None]
 _background_jobs: list[BackgroundJob] = []
+# Publishes the API keys and tiers again from the database when Redis lost them (the
+# operators' app registers it: operations.apps), called by a process's key watcher the moment
+# it finds the published set missing, not at the next background job.
+AccessRepublisher = Callable[[redis.Redis], object]
+_access_republishers: list[AccessRepublisher] = []
 
 _web: dict[int, WebProcess] = {}
 
@@ -94,6 +99,16 @@ class WebProcess:
                 log.exception("background job %s failed", job.__qualname__)
 
 
+def register_access_republisher(republish: AccessRepublisher) -> None:
+    if republish not in _access_republishers:
+        _access_republishers.append(republish)
+
+
+def _republish_access(client: redis.Redis) -> None:
+    for republish in _access_republishers:
+        republish(client)
+
+
 def web_process() -> WebProcess:
     pid = os.getpid()
     found = _web.get(pid)
@@ -118,7 +133,7 @@ def web_process() -> WebProcess:
             aggregator,
             watcher,
             RequestStats(aggregator.queue),
-            AccessWatcher(client),
+            AccessWatcher(client, republish=lambda: _republish_access(client)),
             RateLimiter(client),
             Shedder(settings.WEB_MAX_IN_FLIGHT),
         )
