@@ -7,8 +7,10 @@ from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin, messages
+from django.db import transaction
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
@@ -21,6 +23,8 @@ from operations.models import ApiKey, PolicyChange, SamplingPolicy, StatsMinute,
 
 # The admin's usage sums on a key's and a tier's page cover this many days.
 USAGE_DAYS = 30
+# A saved key or tier reaches every web process within this long (a poll and a read).
+PROPAGATION_S = access.POLL_INTERVAL_S * 2
 
 
 @admin.register(SamplingPolicy)
@@ -111,29 +115,45 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
         return _usage_table(usage.totals(rows, "queue"), f"?key__id__exact={obj.pk}")
 
     def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
-        raw = None if obj.digest else obj.issue()
+        if not obj.digest:
+            obj.issued_key = obj.issue()  # shown by response_add, kept nowhere
         obj.save()
-        if raw is not None:
-            # Shown once, here: only its SHA-256 is kept.
-            self.message_user(
-                request,
-                f"API key {obj.name!r} created. Copy it now, it will not be shown again: {raw}",
-                messages.WARNING,
-            )
-        else:
+        if change:
             self.message_user(
                 request,
                 f"API key {obj.name!r} saved; every web process applies it within "
-                f"{access.POLL_INTERVAL_S * 2:g} s.",
+                f"{PROPAGATION_S:g} s.",
                 messages.SUCCESS,
             )
 
+    def response_add(
+        self, request: HttpRequest, obj: ApiKey, post_url_continue: str | None = None
+    ) -> HttpResponse:
+        """The new key, shown once in the body of the response that created it: never in a
+        message (Django keeps those in a cookie or the session), never on a later page."""
+        if obj.issued_key is None:
+            return super().response_add(request, obj, post_url_continue)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "API key created",
+            "opts": self.opts,
+            "key_object": obj,
+            "raw_key": obj.issued_key,
+            "propagation_s": f"{PROPAGATION_S:g}",
+        }
+        response = TemplateResponse(request, "admin/sampling/apikey/created.html", context)
+        response["Cache-Control"] = "no-store"
+        return response
+
     @admin.action(description="Revoke the selected keys")
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
-        for key in queryset:  # each saved, so each is published
-            key.revoked = True
-            key.save()
-        self.message_user(request, f"{len(queryset)} key(s) revoked.", messages.SUCCESS)
+        with transaction.atomic():  # published once, when all are revoked
+            keys = list(queryset.select_for_update())
+            for key in keys:
+                key.revoked = True
+                key.save()
+                self.log_change(request, key, [{"changed": {"fields": ["revoked"]}}])
+        self.message_user(request, f"{len(keys)} key(s) revoked.", messages.SUCCESS)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin[Any]):

@@ -6,6 +6,7 @@ import http.cookiejar
 import re
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping, Sequence
 
 
 class AdminSession:
@@ -23,12 +24,17 @@ class AdminSession:
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
 
-    def post_form(self, path: str, fields: dict[str, str]) -> tuple[int, str, str]:
-        """POST `fields` with the form's CSRF token; returns status, final URL and body."""
+    def post_form(
+        self, path: str, fields: Mapping[str, str | Sequence[str]]
+    ) -> tuple[int, str, str]:
+        """POST `fields` (a list: the field repeated, as several checked boxes) with the
+        form's CSRF token; returns status, final URL and body."""
         _, page = self.get(path)
         token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page)
         assert token, f"no CSRF token on {path}"
-        data = urllib.parse.urlencode({"csrfmiddlewaretoken": token.group(1), **fields}).encode()
+        data = urllib.parse.urlencode(
+            {"csrfmiddlewaretoken": token.group(1), **fields}, doseq=True
+        ).encode()
         request = urllib.request.Request(
             self.base_url + path, data=data, headers={"Referer": self.base_url + path}
         )
