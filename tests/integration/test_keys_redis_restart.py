@@ -1,6 +1,7 @@
-"""Keys required, keyed traffic, Redis restarted with an empty data set (the issue's done-when):
-no valid key gets a 401 at any moment, the requests in flight at the restart get a 503 or a
-504, and every request sent from 2 s after the restart gets its completion. The web processes
+"""Keyed traffic, Redis restarted with an empty data set (the issue's done-when): no valid key
+gets a 401 at any moment, nor is served as anonymous while keys are optional (every 200
+carries the key's own limit); the requests in flight at the restart get a 503 or a 504, and
+every request sent from 2 s after the restart gets its completion. The web processes
 keep their last good key set while Redis has none, and the first to notice republishes it
 from the database at once (batching.access, operations.models.republish_missing_access)."""
 
@@ -30,6 +31,9 @@ RECOVERY_S = 2.0  # from the restart, every request gets its completion
 # The set is back in Redis this soon after the restart: a poll of a key watcher (0.5 s) and
 # a publish, not housekeeping's next run (every 10 s).
 REPUBLISHED_WITHIN_S = 1.5
+# The keys' own limit, far above the load: what tells a request served as the key's (its
+# x-ratelimit-limit-requests header) from one served as anonymous (no limit, no header).
+KEY_RPM = "1000000"
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class Answer:
     status: int
     right: bool  # a 200 with its own completion
     body: str
+    rpm: str | None  # the limit the answer says the caller has
 
 
 @pytest.fixture
@@ -53,13 +58,15 @@ def keyed_load(
     def one(index: int) -> None:
         prompt = f"restart {index}"
         sent = time.monotonic()
+        rpm = None
         try:
             reply = sample(base_url, prompt, headers=bearer(keys[index % len(keys)]), timeout=5)
             status, body = reply.status, reply.body
+            rpm = reply.headers.get("x-ratelimit-limit-requests")
         except OSError:
             status, body = 0, ""
         right = status == 200 and body == expected_completion(prompt)
-        answers.append(Answer(sent, status, right, body[:200]))
+        answers.append(Answer(sent, status, right, body[:200], rpm))
 
     with ThreadPoolExecutor(64) as pool:
         index = 0
@@ -79,8 +86,9 @@ def intact(url: str) -> bool:
         client.close()
 
 
-def test_valid_keys_get_no_401_across_a_redis_restart_with_no_data(
-    own_redis: EmbeddedRedis, start_stack: Callable[..., Stack]
+@pytest.mark.parametrize("required", ["1", "0"], ids=["keys-required", "keys-optional"])
+def test_valid_keys_hold_across_a_redis_restart_with_no_data(
+    required: str, own_redis: EmbeddedRedis, start_stack: Callable[..., Stack]
 ) -> None:
     stack = start_stack(
         "keys-restart",
@@ -89,12 +97,15 @@ def test_valid_keys_get_no_401_across_a_redis_restart_with_no_data(
             "SAMPLER": "simulated",
             "SIMULATED_BATCH_MS": "50",
             "SAMPLING_DEADLINE_MS": "1000",
-            "SAMPLING_REQUIRE_API_KEY": "1",
+            "SAMPLING_REQUIRE_API_KEY": required,
         },
         gpus=[0],
         web_processes=2,
     )
-    keys = [create_key(stack, f"restart {tier}", "--tier", tier) for tier in ("plus", "free")]
+    keys = [
+        create_key(stack, f"restart {tier}", "--tier", tier, "--rpm", KEY_RPM)
+        for tier in ("plus", "free")
+    ]
     answers: list[Answer] = []
     stop = threading.Event()
     load = threading.Thread(target=keyed_load, args=(stack.base_url, keys, stop, answers))
@@ -117,6 +128,8 @@ def test_valid_keys_get_no_401_across_a_redis_restart_with_no_data(
 
     unauthorized = [a for a in answers if a.status == 401]
     assert not unauthorized, f"{len(unauthorized)} 401s for valid keys: {unauthorized[:3]}"
+    anonymous = [a for a in answers if a.status == 200 and a.rpm != KEY_RPM]
+    assert not anonymous, f"{len(anonymous)} served without the key's tier: {anonymous[:3]}"
     before = [a for a in answers if a.sent_at < killed_at - 1.0]
     around = [a for a in answers if killed_at - 1.0 <= a.sent_at < back_at + RECOVERY_S]
     after = [a for a in answers if a.sent_at >= back_at + RECOVERY_S]
