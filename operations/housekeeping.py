@@ -3,7 +3,9 @@ sampling.runtime, registered by operations.apps).
 
 1. The policy in Redis follows the database: republished when Redis lost it (a restart) or
    missed a save (Redis was down at the time).
-2. The API keys and tiers in Redis follow the database the same way.
+2. The API keys and tiers in Redis follow the database the same way (a web process's key
+   watcher republishes a lost set the moment it notices, batching.access; this catches a
+   save that could not publish, and a set without its digest).
 3. Completed minutes of statistics go from Redis to StatsMinute rows, the per-key usage in
    them to UsageMinute rows, and rows older than SAMPLING_STATS_RETENTION_DAYS (usage:
    SAMPLING_USAGE_RETENTION_DAYS) are deleted. One process at a time does it (a Redis lock),
