@@ -148,7 +148,7 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
     @admin.action(description="Revoke the selected keys")
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         with transaction.atomic():  # published once, when all are revoked
-            keys = list(queryset.select_for_update())
+            keys = list(queryset)
             for key in keys:
                 key.revoked = True
                 key.save()
