@@ -244,8 +244,9 @@ class SamplingWorker:
 
 
 def worker_info(runner: BatchRunner, now: float) -> dict[str, object]:
-    """The worker's row of the stats page."""
-    policy = runner.policy()
+    """The worker's row of the stats page. Its policy is the one it runs under: a published
+    version its sampler refused is reported as refused (with why), not as its version."""
+    policy = runner.applied
     return {
         "worker": runner.worker,
         "pid": os.getpid(),
@@ -255,7 +256,9 @@ def worker_info(runner: BatchRunner, now: float) -> dict[str, object]:
         "batches": runner.batches,
         "busy_s": round(runner.busy_s, 3),
         "estimate_ms": round(runner.estimate_ms, 2),
-        "policy_version": policy.version,
+        "policy_version": runner.applied_version,
+        "policy_refused": runner.refused_version,
+        "policy_refused_reason": runner.refused_reason,
         "max_batch_size": policy.max_batch_size,
         "max_new_tokens": runner.sampler.generation.max_new_tokens,
         "state": "busy" if runner.busy_since is not None else "idle",
