@@ -32,7 +32,8 @@ from tests.support.admin_client import AdminSession
 from tests.support.http import Reply, request, sample
 from tests.support.probe_sampler import CONTEXT_TOKENS, stuck_call_key
 from tests.support.waiting import wait_until
-from workers.lifecycle import EXIT_HUNG_CALL, EXIT_UNHEALTHY_GPU
+from workers.launch import worker_command, worker_environment
+from workers.lifecycle import EXIT_DUPLICATE_NAME, EXIT_HUNG_CALL, EXIT_UNHEALTHY_GPU
 from workers.runner import FAILED_CALLS_UNHEALTHY
 from workers.samplers.simulated import expected_completion
 
@@ -354,3 +355,42 @@ def test_a_policy_the_sampler_refuses_is_not_reported_applied_and_the_admin_says
     wait_until(lambda: info().get("policy_version") == 3, 5, "the worker on version 3")
     assert info()["policy_refused"] is None
     assert 'id="policy-disagreement"' not in session.get("/admin/stats/")[1]
+
+
+def test_a_second_worker_under_a_live_workers_name_refuses_to_start(
+    start_stack: Callable[..., Stack],
+) -> None:
+    stack = start_stack("duplicate-name", env={"SAMPLER": "simulated"})
+    queue = stack.env["SAMPLING_QUEUE"]
+    aggregator = BatchAggregator(redis.Redis.from_url(stack.env["REDIS_URL"]), queue)
+    wait_until(lambda: aggregator.workers.live_count() == 1, 10, "the first worker live")
+    ((name, first),) = aggregator.workers.infos(0)
+    env = {**worker_environment(None, stack.environment()), "PYTHONPATH": str(ROOT)}
+    second = subprocess.run(
+        worker_command(None, queue), cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    output = second.stdout + second.stderr
+    assert second.returncode == EXIT_DUPLICATE_NAME, output[-2000:]
+    assert f"worker {name}: another live worker process runs under this name" in output
+    assert f"pid {first['pid']}" in output  # which one holds it
+    assert "loaded for queue" not in output  # refused before loading a sampler
+    # The first worker goes on, alone under its name.
+    assert aggregator.workers.live_count() == 1
+    assert [info["pid"] for _, info in aggregator.workers.infos(0)] == [first["pid"]]
+    assert sample(stack.base_url, "still one").body == expected_completion("still one")
+
+
+def test_several_cpu_workers_of_a_stack_count_as_several(
+    start_stack: Callable[..., Stack],
+) -> None:
+    """Four CPU workers on one host: four names, four live workers for admission (they were
+    one, all named `{queue}-cpu@host`)."""
+    stack = start_stack("four-cpu", env={"SAMPLER": "simulated"}, gpus=[None] * 4)
+    aggregator = BatchAggregator(
+        redis.Redis.from_url(stack.env["REDIS_URL"]), stack.env["SAMPLING_QUEUE"]
+    )
+    wait_until(lambda: aggregator.workers.live_count() == 4, 30, "four live workers")
+    names = [name for name, _ in aggregator.workers.infos(0)]
+    assert len(set(names)) == 4, names
+    assert all(process.poll() is None for process in stack.workers)
