@@ -1,4 +1,4 @@
-"""A scaled-down farm: 2 web nodes and 4 simulated GPUs, the request path on 1 Redis or 3 shards.
+"""A scaled-down farm: 2 web nodes and simulated GPUs (4; 21 --slow-motion), on 1 Redis or 3 shards.
 
 On this machine: two web nodes and 4 simulated GPUs, the request path on one Redis or spread
 as 3 shards over a local 3-master cluster, under the same load.
@@ -41,7 +41,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -49,44 +48,26 @@ import redis
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.topology import redis_client
+from bench.farm.report import table, verdicts
+from bench.farm.shape import (
+    CALL_MS,
+    CHOSEN,
+    CLUSTER_SHARDS,
+    GPUS,
+    ONE_REDIS,
+    SLOW_MOTION,
+    SLOWED,
+    WEB_NODES,
+    Shape,
+)
 from bench.harness import loadgen
 from bench.harness.machine import describe_machine
 from bench.harness.procstat import cpu_seconds, redis_cpu
-from bench.harness.report import markdown_table
 from bench.harness.stack import Stack, simulated_env, simulated_stack
-from bench.harness.stats import median_of_rounds
 from bench.harness.trees import in_turn
 from inference_site.lib.embedded_cluster import EmbeddedCluster
 from inference_site.lib.embedded_redis import EmbeddedRedis, valkey_binary
 from workers.samplers.simulated import expected_completion
-
-CALL_MS = 100
-GPUS = 4
-WEB_NODES = 2
-ONE_REDIS = "one Redis"
-CLUSTER = "3 shards, 3-master cluster"
-TOPOLOGIES = [ONE_REDIS, CLUSTER]
-CHOSEN = {"both": TOPOLOGIES, "one": [ONE_REDIS], "cluster": [CLUSTER]}
-CLUSTER_SHARDS = 3
-SLOWED = 20  # --slow-motion: calls and deadlines this many times the production farm's
-SLOW_MOTION = {"gpus": 21, "call_ms": 100 * SLOWED, "deadline_ms": 500 * SLOWED,
-               "rate": 20_000 / SLOWED, "seconds": 60.0, "rounds": 1}  # fmt: skip
-OK_BAR_PERCENT = 99.9  # --slow-motion's bar: answered 200 at least, and no other answer
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The farm's workers and their pace: `gpus` simulated workers, `call_ms` a call, and
-    `deadline_ms` deadlines (None: the service's default)."""
-
-    gpus: int = GPUS
-    call_ms: int = CALL_MS
-    deadline_ms: int | None = None
-
-    @property
-    def client_timeout_s(self) -> float:
-        """The client waits past any deadline: an answer it gives up on counts as other."""
-        return max(3.0, (self.deadline_ms or 0) / 1000 + 2.0)
 
 
 @contextlib.contextmanager
@@ -171,78 +152,38 @@ def one_round(
             wrong = results.count(loadgen.WRONG)
             if wrong:
                 raise RuntimeError(f"{wrong} requests got someone else's completion")
-            sent = results.sent
-            return {
-                "goodput": results.goodput_rps,
-                "sent": sent,
-                "ok_%": 100 * results.share(RequestOutcome.OK),
-                "other": results.count(loadgen.OTHER),
-                "other_example": results.examples.get(loadgen.OTHER, ""),
-                "503_%": 100 * results.share(RequestOutcome.REJECTED),
-                "504_%": 100 * results.share(RequestOutcome.TIMEOUT),
-                "p50_ms": results.percentile_ms(50),
-                "p99_ms": results.percentile_ms(99),
-                "fill": statistics.mean(sizes) if sizes else 0.0,
-                "batches": len(sizes),
-                "web_ms": web_used / sent * 1000,
-                "redis_us": [used / sent * 1e6 for used in redis_used],
-                "broker_us": broker_used / sent * 1e6,
-            }
+            return _row(results, sizes, web_used, redis_used, broker_used)
     finally:
         for stack in reversed(stacks):
             stack.stop()
         broker.stop()
 
 
-def table(figures: dict[str, list[dict[str, object]]], rate_rps: float, shape: Shape) -> str:
-    rounds = min(len(runs) for runs in figures.values())
-    header = [
-        "request path", "goodput req/s", "200 %", "503 %", "504 %", "other (500...)",
-        "p50 ms", "p99 ms", "items/batch", "web CPU ms/req", "Redis CPU µs/req, per node",
-        "broker µs/req",
-    ]  # fmt: skip
-    rows = []
-    for topology, runs in figures.items():
-        row = median_of_rounds(runs)
-        per_node = row["redis_us"]
-        rows.append([
-            topology, f"{row['goodput']:.0f}", f"{row['ok_%']:.2f}", f"{row['503_%']:.2f}",
-            f"{row['504_%']:.2f}", f"{max(_count(run, 'other') for run in runs):.0f}",
-            f"{row['p50_ms']:.0f}", f"{row['p99_ms']:.0f}", f"{row['fill']:.1f}",
-            f"{row['web_ms']:.2f}",
-            f"{', '.join(f'{us:.0f}' for us in per_node)} (sum {sum(per_node):.0f})",
-            f"{row['broker_us']:.0f}",
-        ])  # fmt: skip
-    deadline = f"{shape.deadline_ms} ms" if shape.deadline_ms else "default"
-    title = (
-        f"Farm: {WEB_NODES} web nodes (1 gunicorn process each), {shape.gpus} simulated GPUs "
-        f"({shape.call_ms} ms a call, {deadline} deadlines), {rate_rps:g} req/s offered, "
-        f"medians of {rounds} rounds (other: the most of any round)"
-    )
-    return f"{title}\n\n{markdown_table(header, rows, align='lrrrrrrrrrlr')}\n"
-
-
-def _count(run: dict[str, object], name: str) -> float:
-    value = run[name]
-    assert isinstance(value, int | float), (name, value)
-    return value
-
-
-def verdicts(figures: dict[str, list[dict[str, object]]]) -> list[str]:
-    """Per topology, whether every round met the bar: >= OK_BAR_PERCENT answered 200 and no
-    other answer (500, connection error, none); with an example of the others."""
-    lines = []
-    for topology, runs in figures.items():
-        worst = min(_count(run, "ok_%") for run in runs)
-        other = max(_count(run, "other") for run in runs)
-        met = worst >= OK_BAR_PERCENT and other == 0
-        line = (
-            f"{topology}: {'meets' if met else 'MISSES'} the bar (>= {OK_BAR_PERCENT}% 200, "
-            f"no other answer): worst round {worst:.2f}% 200, {other:.0f} other"
-        )
-        examples = [str(run["other_example"]) for run in runs if run["other_example"]]
-        lines.append(line + (f"; e.g. {examples[0]!r}" if examples else ""))
-    return lines
+def _row(
+    results: loadgen.Results,
+    sizes: list[int],
+    web_used: float,
+    redis_used: list[float],
+    broker_used: float,
+) -> dict[str, object]:
+    """A round's figures from its load's results, batch sizes and CPU seconds used."""
+    sent = results.sent
+    return {
+        "goodput": results.goodput_rps,
+        "sent": sent,
+        "ok_%": 100 * results.share(RequestOutcome.OK),
+        "other": results.count(loadgen.OTHER),
+        "other_example": results.examples.get(loadgen.OTHER, ""),
+        "503_%": 100 * results.share(RequestOutcome.REJECTED),
+        "504_%": 100 * results.share(RequestOutcome.TIMEOUT),
+        "p50_ms": results.percentile_ms(50),
+        "p99_ms": results.percentile_ms(99),
+        "fill": statistics.mean(sizes) if sizes else 0.0,
+        "batches": len(sizes),
+        "web_ms": web_used / sent * 1000,
+        "redis_us": [used / sent * 1e6 for used in redis_used],
+        "broker_us": broker_used / sent * 1e6,
+    }
 
 
 # The options' defaults; --slow-motion's (SLOW_MOTION) over them; any option given over both.
