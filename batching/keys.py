@@ -51,6 +51,10 @@ class QueueKeys:
         """A worker's row of the stats page (JSON), written with its heartbeat."""
         return f"{self.tag}:worker:{worker}"
 
+    def worker_owner(self, worker: str) -> str:
+        """The token of the one live process that runs as `worker` (its claim, expiring)."""
+        return f"{self.tag}:worker-owner:{worker}"
+
     @cached_property
     def known_workers(self) -> str:
         """A zset of worker names scored by their last heartbeat (epoch seconds)."""

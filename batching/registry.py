@@ -23,6 +23,7 @@ class WorkerRegistry:
         self.client = client
         self.keys = keys
         self.script = scripts.register(client, "heartbeat", SCRIPT_CONSTANTS)
+        self.claim_script = scripts.register(client, "claim_name")
 
     def heartbeat(self, worker: str, now_ms: int | None = None) -> int:
         """Record a live worker and return the number of live workers of this queue (at
@@ -53,6 +54,17 @@ class WorkerRegistry:
         raws = self.client.mget([self.keys.worker_info(name) for name in names])
         return [(name, _worker_info(raw)) for name, raw in zip(names, raws, strict=True)]
 
+    def claim(self, worker: str, token: str) -> str | None:
+        """Claim the name `worker` for the process `token` (or renew its claim) for
+        HEARTBEAT_TIMEOUT_MS: None when this process holds it now, else the token of the
+        live process that holds it."""
+        return _owner(self.claim_script(keys=[self.keys.worker_owner(worker)],
+                                        args=[token, HEARTBEAT_TIMEOUT_MS]))  # fmt: skip
+
+    def release(self, worker: str, token: str) -> None:
+        """A stopping process gives its name up (only its own claim)."""
+        self.claim_script(keys=[self.keys.worker_owner(worker)], args=[token, 0])
+
     def forget(self, worker: str) -> None:
         """A stopping worker's goodbye: it is no longer counted live."""
         self.client.zrem(self.keys.live_workers, worker)
@@ -64,3 +76,9 @@ def _worker_info(raw: bytes | None) -> dict[str, Any]:
     except ValueError:
         return {}
     return info if isinstance(info, dict) else {}
+
+
+def _owner(raw: bytes | str | None) -> str | None:
+    if raw is None:
+        return None
+    return raw.decode() if isinstance(raw, bytes) else str(raw)

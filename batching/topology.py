@@ -13,6 +13,7 @@ from typing import Any, cast
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 # A cluster client gives up on a dead master at once (the node's shards answer 503), instead
@@ -21,6 +22,12 @@ CLUSTER_OPTIONS: dict[str, Any] = {
     "socket_connect_timeout": 0.5,
     "retry": Retry(NoBackoff(), retries=0),
 }
+
+# What a Redis call raises when Redis does not answer: a RedisError, or on a cluster a
+# RedisClusterException (not a RedisError: "Redis Cluster cannot be connected", a slot not
+# covered) when no master answers. Whoever turns an unreachable Redis into a 503 (or a loop's
+# "runs again") catches these.
+REDIS_FAULTS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 
 
 def redis_client(url: str, cluster: bool = False, **options: Any) -> redis.Redis:

@@ -9,7 +9,11 @@ request that joins a batch use the same bounded pool. The GPU workers build thei
 their own settings (workers.lifecycle).
 
 The pool is bounded: thousands of waiting requests share a few dozen connections, since a
-request holds one only for its single round trip.
+request holds one only for its single round trip. A request that finds every connection
+taken waits for one (up to POOL_WAIT_S, well within a deadline), on one server and on a
+cluster alike: redis-py's cluster client builds each master's pool from
+`connection_pool_class`, so it gets the same BlockingConnectionPool instead of its default
+pool, which raises MaxConnectionsError at the limit (503s under a load one Redis serves).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from django.conf import settings
 
 from batching import topology
 
-MAX_CONNECTIONS_PER_PROCESS = 64
+MAX_CONNECTIONS_PER_PROCESS = 64  # per master on a cluster
+POOL_WAIT_S = 2.0  # a request waits this long at most for a free connection of the pool
 
 _clients: dict[int, redis.Redis] = {}
 
@@ -37,19 +42,24 @@ def redis_client() -> redis.Redis:
 
 
 def _connect() -> redis.Redis:
+    return connect(settings.SAMPLING_REDIS_URL, settings.SAMPLING_REDIS_CLUSTER)
+
+
+def connect(url: str, cluster: bool) -> redis.Redis:
+    """A client of the server (or cluster) at `url` over bounded pools that wait for a free
+    connection rather than refuse one."""
     options = {"socket_timeout": 5, "socket_connect_timeout": 2}
-    if settings.SAMPLING_REDIS_CLUSTER:
+    if cluster:
         return topology.redis_client(
-            settings.SAMPLING_REDIS_URL,
+            url,
             cluster=True,
             max_connections=MAX_CONNECTIONS_PER_PROCESS,
+            connection_pool_class=redis.BlockingConnectionPool,
+            timeout=POOL_WAIT_S,
             **{**options, "socket_connect_timeout": 0.5},
         )
     pool = redis.BlockingConnectionPool.from_url(
-        settings.SAMPLING_REDIS_URL,
-        max_connections=MAX_CONNECTIONS_PER_PROCESS,
-        timeout=2,
-        **options,
+        url, max_connections=MAX_CONNECTIONS_PER_PROCESS, timeout=POOL_WAIT_S, **options
     )
     return redis.Redis(connection_pool=pool)
 

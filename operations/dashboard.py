@@ -35,7 +35,13 @@ class WorkerRow:
     batches: int
     busy_percent: float | None  # over the last minute
     estimate_ms: float | None
-    policy_version: int | None
+    policy_version: int | None  # the version it runs under (its heartbeat's)
+    policy_refused: int | None = None  # a published version its sampler refused
+    policy_refused_reason: str = ""
+
+    @property
+    def live(self) -> bool:
+        return self.state not in (*stats.DEPARTED_STATES, "silent")
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,14 @@ class Dashboard:
     workers: list[WorkerRow] = field(default_factory=list)
     charts: list[str] = field(default_factory=list)
     tiers: list[TierRow] = field(default_factory=list)
+    saved_version: int | None = None  # the saved policy's version; None: `policy`'s
+
+    @property
+    def disagreeing_workers(self) -> list[WorkerRow]:
+        """The live workers that do not run the saved policy (a sampler refused it, or the
+        worker has not read it yet)."""
+        saved = self.policy.version if self.saved_version is None else self.saved_version
+        return [row for row in self.workers if row.live and row.policy_version != saved]
 
     @property
     def headline(self) -> list[tuple[str, str]]:
@@ -123,9 +137,11 @@ def build(
     policy: Policy,
     now: float | None = None,
     tier_order: Sequence[str] = (),
+    saved_version: int | None = None,
 ) -> Dashboard:
     """The page's figures; its tiers in `tier_order` (highest priority first), then any other
-    tier that had requests, by name."""
+    tier that had requests, by name; the workers compared with the saved policy's version
+    (`saved_version`, by default `policy`'s)."""
     now = time.time() if now is None else now
     current_second = int(now)
     # Up to the bucket now filling, whose rates are over its elapsed seconds only.
@@ -136,7 +152,7 @@ def build(
     aggregator = BatchAggregator(client, queue, max_batch_size=policy.max_batch_size)
     advice = from_traffic(recent, aggregator, policy)
     live = advice.live_gpus
-    dashboard = Dashboard(queue, policy, now, recent, live, advice)
+    dashboard = Dashboard(queue, policy, now, recent, live, advice, saved_version=saved_version)
     dashboard.workers = _workers(aggregator, recent, now)
     dashboard.charts = _charts(hour, policy, now)
     dashboard.tiers = _tiers(recent, tier_order)
@@ -178,9 +194,11 @@ def _workers(
                 busy_percent=recent.busy_percent(name),
                 estimate_ms=info.get("estimate_ms"),
                 policy_version=info.get("policy_version"),
+                policy_refused=info.get("policy_refused"),
+                policy_refused_reason=str(info.get("policy_refused_reason") or ""),
             )
         )
-    return sorted(rows, key=lambda row: (row.state in (*stats.DEPARTED_STATES, "silent"), row.name))
+    return sorted(rows, key=lambda row: (not row.live, row.name))
 
 
 # The shortest span a chart shows: a service that started a minute ago gets readable lines

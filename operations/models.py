@@ -27,6 +27,7 @@ from batching import access
 from batching import policy as live_policy
 from batching.policy import MAX_BATCH_SIZE
 from batching.stats import Summary
+from batching.topology import REDIS_FAULTS
 from inference_site.redis_client import redis_client
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ def _settings_of(policy: live_policy.Policy) -> dict[str, Any]:
 def _publish(queue: str, policy: live_policy.Policy) -> None:
     try:
         live_policy.publish(redis_client(), queue, policy)
-    except redis.RedisError as exc:
+    except REDIS_FAULTS as exc:  # a cluster's RedisClusterException too
         # Saved all the same: the web processes' housekeeping republishes the database's
         # policy within BACKGROUND_JOB_INTERVAL_S (sampling.runtime) once Redis answers.
         log.error("policy of %s saved but not yet published: %s", queue, exc)
@@ -203,7 +204,7 @@ def _publish(queue: str, policy: live_policy.Policy) -> None:
 def _withdraw(queue: str) -> None:
     try:
         live_policy.withdraw(redis_client(), queue)
-    except redis.RedisError as exc:
+    except REDIS_FAULTS as exc:  # a cluster's RedisClusterException too
         log.error("policy of %s deleted but not yet withdrawn: %s", queue, exc)
 
 

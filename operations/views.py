@@ -17,13 +17,19 @@ from sampling.runtime import web_process
 def stats_page(request: HttpRequest) -> HttpResponse:
     """The live stats page of one queue (?queue=, by default this node's SAMPLING_QUEUE)."""
     queue = request.GET.get("queue") or settings.SAMPLING_QUEUE
+    row = SamplingPolicy.objects.filter(queue=queue).first()
     if queue == settings.SAMPLING_QUEUE:
         policy = web_process().watcher.current  # what this node's processes apply now
     else:
-        row = SamplingPolicy.objects.filter(queue=queue).first()
         policy = row.as_policy() if row else default_policy()
     tiers = Tier.objects.values_list("name", flat=True)  # highest priority first
-    board = dashboard.build(redis_client(), queue, policy, tier_order=list(tiers))
+    board = dashboard.build(
+        redis_client(),
+        queue,
+        policy,
+        tier_order=list(tiers),
+        saved_version=row.version if row else None,  # what the workers should run
+    )
     context = {
         **admin.site.each_context(request),
         "title": f"Live statistics of queue {queue}",

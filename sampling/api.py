@@ -18,7 +18,6 @@ import uuid
 from functools import cache
 from typing import Any
 
-import redis
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -29,6 +28,7 @@ from batching.policy import Policy
 from batching.problems import Failure
 from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.stats import DEPARTED_STATES
+from batching.topology import REDIS_FAULTS
 from sampling import schemas
 from sampling.completions import completion_response
 from sampling.openapi import openapi_document
@@ -140,7 +140,7 @@ def _live_models(process: WebProcess) -> dict[str, Any]:
     live = 0
     try:
         infos = process.aggregator.workers.infos(now - MODEL_WORKERS_S - 1)
-    except redis.RedisError as exc:
+    except REDIS_FAULTS as exc:
         log.warning("cannot read the workers' heartbeats: %s", exc)
         infos = []
     for _, info in infos:

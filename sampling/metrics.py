@@ -29,6 +29,7 @@ from batching.policy import Policy
 from batching.recommendation import observed
 from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.stats import KNOWN_WORKERS_S
+from batching.topology import REDIS_FAULTS
 
 LATENCY_BUCKETS_S = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75,
@@ -169,7 +170,7 @@ def exposition(client: redis.Redis, queue: str, policy: Policy) -> bytes:
         registry.register(collector)
         try:
             text += generate_latest(registry)
-        except redis.RedisError as exc:
+        except REDIS_FAULTS as exc:  # a cluster's RedisClusterException too
             text += f"# {name} unavailable: Redis error {type(exc).__name__}\n".encode()
     return text
 

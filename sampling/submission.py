@@ -34,6 +34,7 @@ from batching.protocol import RUN_BATCH_TASK, task_priority
 from batching.ratelimit import RateCounter, RateLimiter
 from batching.results import queue_result
 from batching.stats import RequestStats
+from batching.topology import REDIS_FAULTS
 from inference_site.celery import app as celery_app
 from sampling import metrics
 
@@ -131,8 +132,11 @@ def _join(
                 cache=digest,
                 lane=caller.priority,
             )
-        except redis.RedisError as exc:
-            log.error("cannot reach Redis to queue a request: %s", exc)
+        except Exception as exc:  # any failure of the join's round trip: a 503
+            # Not only RedisError: redis-py's cluster client raises RedisClusterException
+            # when no master answers, and its pipeline has raised IndexError under load.
+            trace = not isinstance(exc, REDIS_FAULTS)  # Redis away: one line, not a trace
+            log.error("cannot reach Redis to queue a request: %r", exc, exc_info=trace)
             return unavailable()
         if ticket.rejected:
             return Failure(
@@ -167,7 +171,7 @@ def _wait(
         return Answer.from_wire(results[ticket.index])
     except CeleryTimeoutError:
         return Failure(Problem.DEADLINE, f"no completion within the {deadline_ms} ms deadline")
-    except redis.RedisError as exc:  # the batch's Redis node went down while it waited
+    except REDIS_FAULTS as exc:  # the batch's Redis node went down while it waited
         log.error("batch %s: its results cannot arrive: %s", ticket.batch_id, exc)
         return unavailable()
     except Exception as exc:  # noqa: BLE001 - whatever broke the batch: a 502
@@ -215,7 +219,7 @@ def _dispatch(process: RequestPath, batch_id: str, lane: int) -> bool:
         return False
     try:
         aggregator.dispatched(batch_id, lane)
-    except redis.RedisError as exc:
+    except REDIS_FAULTS as exc:
         # Harmless: a later request sends the task again, and the duplicate answers nothing.
         log.warning("batch %s dispatched but not confirmed: %s", batch_id, exc)
     return True

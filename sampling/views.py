@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 
-import redis
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from batching.access import Caller
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure
+from batching.topology import REDIS_FAULTS
 from sampling import metrics
 from sampling.runtime import WebProcess, web_process
 from sampling.submission import submit
@@ -97,7 +97,7 @@ def readyz(request: HttpRequest) -> HttpResponse:
     try:
         aggregator.client.ping()
         workers = aggregator.workers.live_count()
-    except redis.RedisError as exc:
+    except REDIS_FAULTS as exc:  # on a cluster, RedisClusterException is not a RedisError
         return _not_ready(f"not ready: Redis does not answer ({type(exc).__name__})")
     if workers == 0:
         return _not_ready(f"not ready: no live worker for queue {aggregator.queue!r}")

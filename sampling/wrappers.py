@@ -14,6 +14,7 @@ What happens to a request's items between (join, dispatch, wait) is Django-free
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Concatenate, ParamSpec
@@ -25,10 +26,13 @@ from django.views.decorators.csrf import csrf_exempt
 from batching.access import Caller
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem
+from batching.topology import REDIS_FAULTS
 from sampling import metrics
 from sampling.responses import Invalid, openai_failure, openai_invalid
 from sampling.runtime import WebProcess, web_process
 from sampling.shedding import ShedReason
+
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 
@@ -83,6 +87,9 @@ def counted(handle: Handler, words: Words) -> View:
             process.shedder.in_flight += 1
             try:
                 caller, outcome, response = _admitted(request, process, arrival, handle, words)
+            except REDIS_FAULTS as exc:  # whatever step met Redis away: a 503, never a 500
+                caller = redis_away(exc)
+                outcome, response = caller.outcome, answer_failure(words, caller)
             finally:
                 process.shedder.in_flight -= 1
         latency_s = time.monotonic() - arrival
@@ -94,6 +101,13 @@ def counted(handle: Handler, words: Words) -> View:
 
     view.__name__ = view.__qualname__ = handle.__name__.lstrip("_")
     return view
+
+
+def redis_away(exc: Exception) -> Failure:
+    """The 503 of a request whose Redis call failed where no step turned it into one (on a
+    cluster, a RedisClusterException is not even a RedisError)."""
+    log.error("Redis unavailable for a request: %r", exc)
+    return Failure(Problem.UNAVAILABLE, "service unavailable: Redis does not answer")
 
 
 def _admitted(
@@ -156,6 +170,8 @@ def openai_get(
             answer = view(request, caller, *args, **kwargs)
         except Invalid as invalid:
             return openai_invalid(invalid)
+        except REDIS_FAULTS as exc:
+            answer = redis_away(exc)
         if isinstance(answer, Failure):
             return answer_failure(openai_failure, answer)
         return answer

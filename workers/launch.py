@@ -33,8 +33,15 @@ def local_gpu_count() -> int:
     return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
 
 
-def worker_command(gpu: int | None, queue: str, extra: list[str] | None = None) -> list[str]:
+def worker_command(
+    gpu: int | None, queue: str, extra: list[str] | None = None, replica: int = 0
+) -> list[str]:
+    """The worker of `gpu` (None: CPU) for `queue`, named `{queue}-gpu{N}@host` (`-cpu@`).
+    Names must be unique among live workers (a duplicate refuses to start: workers.lifecycle):
+    `replica` n > 0 names the n-th further worker of the same GPU or CPU `...-cpu-n@host`."""
     node = f"gpu{gpu}" if gpu is not None else "cpu"
+    if replica:
+        node = f"{node}-{replica}"
     return [
         sys.executable, "-m", "celery", "-A", "inference_site", "worker",
         "--pool", "solo", "--concurrency", "1", "--prefetch-multiplier", "1",

@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -46,6 +47,14 @@ EXIT_HUNG_CALL = 70
 # (sysexits' EX_UNAVAILABLE): not a healthy GPU. Its supervisor starts a fresh one, whose
 # warm-up call shows whether the GPU is back.
 EXIT_UNHEALTHY_GPU = 69
+
+# The exit status of a worker started under a name another live worker process runs as
+# (sysexits' EX_CONFIG): two workers of one name would count as one live worker.
+EXIT_DUPLICATE_NAME = 78
+# How long a worker waits for its name at start: a predecessor killed without its goodbye
+# (SIGKILL, a crash) holds it until its claim expires, HEARTBEAT_TIMEOUT_MS after its last
+# renewal; a live one renews it every HEARTBEAT_INTERVAL_S and keeps it.
+NAME_CLAIM_WAIT_S = HEARTBEAT_TIMEOUT_MS / 1000 + 1
 
 # The worker of this process, once its sampler is loaded (Celery's signals find it here).
 _worker: SamplingWorker | None = None
@@ -105,6 +114,74 @@ def _aggregator() -> BatchAggregator:
     )
 
 
+class DuplicateName(Exception):
+    """Another live process runs as this worker's name."""
+
+
+class NameClaim:
+    """This process's claim on its worker name, held from before its sampler loads until it
+    stops: one live process a name in the heartbeats (batching.registry). A second process
+    started under a live worker's name refuses to start; one that finds its claim taken
+    later (Redis lost it for longer than the claim lasts, and another process took it)
+    exits at once, without the goodbye that would remove the other's heartbeat."""
+
+    def __init__(self, aggregator: BatchAggregator, worker: str) -> None:
+        self.registry = aggregator.workers
+        self.worker = worker
+        self.token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
+        self.loop = PeriodicLoop(
+            "name-claim", self.renew, HEARTBEAT_INTERVAL_S, f"renew the claim on {worker}"
+        )
+
+    def acquire(self, wait_s: float = NAME_CLAIM_WAIT_S) -> NameClaim:
+        """Claim the name, waiting up to `wait_s` for a dead predecessor's claim to expire;
+        raises DuplicateName when a live process holds it all along."""
+        deadline = time.monotonic() + wait_s
+        while (owner := self._try_claim()) is not None:
+            if time.monotonic() >= deadline:
+                raise DuplicateName(
+                    f"worker {self.worker}: another live worker process runs under this name "
+                    f"({owner}); give each worker a name of its own (celery worker --hostname)"
+                )
+            time.sleep(0.2)  # duration: the poll of a claim that expires by itself
+        self.loop.start()
+        return self
+
+    def _try_claim(self) -> str | None:
+        try:
+            return self.registry.claim(self.worker, self.token)
+        except topology.REDIS_FAULTS as exc:  # Redis away at start: the renewals claim it
+            log.warning("worker %s: its name cannot be claimed yet: %s", self.worker, exc)
+            return None
+
+    def renew(self) -> None:
+        owner = self.registry.claim(self.worker, self.token)
+        if owner is not None:
+            log.critical(
+                "worker %s: its name was claimed by another live process (%s): exiting with "
+                "status %d, without a goodbye (the name's heartbeat is the other's now)",
+                self.worker,
+                owner,
+                EXIT_DUPLICATE_NAME,
+            )
+            _flush_logs()
+            os._exit(EXIT_DUPLICATE_NAME)
+
+    def release(self) -> None:
+        self.loop.stop(timeout_s=0.5)
+        try:
+            self.registry.release(self.worker, self.token)
+        except topology.REDIS_FAULTS as exc:  # it expires by itself
+            log.warning("worker %s: its name's claim not released: %s", self.worker, exc)
+
+
+def _flush_logs() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
 class SamplingWorker:
     """One sampling worker process's life: its runner and batch pipeline, its heartbeat and
     hand-over loops, its warm stop and its exit. `start` once the sampler is loaded; `stop`
@@ -141,6 +218,7 @@ class SamplingWorker:
             "handover", self.scan_handovers, HANDOVER_SCAN_MS / 1000, "scan for hand-overs"
         )
         self.leaving = threading.Event()  # set once: the process exits, no warm stop
+        self.claim: NameClaim | None = None  # its name's, from `load`
 
     @classmethod
     def load(cls, worker: str) -> SamplingWorker:
@@ -148,16 +226,23 @@ class SamplingWorker:
         warmed up. The policy watcher starts before the model loads, so that the warm-up
         already runs with the published policy."""
         aggregator = _aggregator()
-        watcher = PolicyWatcher(
-            aggregator.client, aggregator.queue, policy_from_settings(settings)
-        ).start()
-        sampler = load_sampler()
-        runner = BatchRunner(aggregator, sampler, worker, policy=lambda: watcher.current)
-        runner.unhealthy_after = settings.SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS or (
-            runner.unhealthy_after
-        )
-        runner.warm_up()
-        return cls(runner, _resender(aggregator), settings.SAMPLING_CALL_TIMEOUT_MS or None)
+        claim = NameClaim(aggregator, worker).acquire()
+        try:
+            watcher = PolicyWatcher(
+                aggregator.client, aggregator.queue, policy_from_settings(settings)
+            ).start()
+            sampler = load_sampler()
+            runner = BatchRunner(aggregator, sampler, worker, policy=lambda: watcher.current)
+            runner.unhealthy_after = settings.SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS or (
+                runner.unhealthy_after
+            )
+            runner.warm_up()
+        except BaseException:
+            claim.release()
+            raise
+        loaded = cls(runner, _resender(aggregator), settings.SAMPLING_CALL_TIMEOUT_MS or None)
+        loaded.claim = claim
+        return loaded
 
     def start(self) -> SamplingWorker:
         self.pipeline.start()
@@ -173,6 +258,8 @@ class SamplingWorker:
         self.pipeline.close(timeout_s=self.pipeline.call_timeout_ms() / 1000 + 1)
         self._stop_loops()
         say_goodbye(self.runner)
+        if self.claim is not None:
+            self.claim.release()
 
     def leave(self, state: str, status: int) -> None:
         """Stop counting as a worker at once (admission, /readyz), say why, and exit with
@@ -180,12 +267,11 @@ class SamplingWorker:
         self.leaving.set()
         self._stop_loops()
         say_goodbye(self.runner, state=state)
+        if self.claim is not None:
+            self.claim.release()  # its supervisor's fresh start takes the name at once
         self.pipeline.drain_reports(timeout_s=1.0)  # the last batches' records, if any are left
         log.critical("worker exits with status %d for its supervisor to restart it", status)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush_logs()
         self.exit_process(status)
 
     def _leave_unhealthy(self, reason: str) -> None:
@@ -244,8 +330,9 @@ class SamplingWorker:
 
 
 def worker_info(runner: BatchRunner, now: float) -> dict[str, object]:
-    """The worker's row of the stats page."""
-    policy = runner.policy()
+    """The worker's row of the stats page. Its policy is the one it runs under: a published
+    version its sampler refused is reported as refused (with why), not as its version."""
+    policy = runner.applied
     return {
         "worker": runner.worker,
         "pid": os.getpid(),
@@ -255,7 +342,9 @@ def worker_info(runner: BatchRunner, now: float) -> dict[str, object]:
         "batches": runner.batches,
         "busy_s": round(runner.busy_s, 3),
         "estimate_ms": round(runner.estimate_ms, 2),
-        "policy_version": policy.version,
+        "policy_version": runner.applied_version,
+        "policy_refused": runner.refused_version,
+        "policy_refused_reason": runner.refused_reason,
         "max_batch_size": policy.max_batch_size,
         "max_new_tokens": runner.sampler.generation.max_new_tokens,
         "state": "busy" if runner.busy_since is not None else "idle",
@@ -273,6 +362,9 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
     name = str(sender or f"worker@{socket.gethostname()}")
     try:
         worker = SamplingWorker.load(name)
+    except DuplicateName as exc:  # a configuration error: no sampler loaded for nothing
+        log.critical("%s: exiting with status %d", exc, EXIT_DUPLICATE_NAME)
+        raise SystemExit(EXIT_DUPLICATE_NAME) from exc
     except Exception as exc:  # whatever failed, the worker is useless without its sampler
         # Celery logs and swallows a signal handler's exception: the worker would go on
         # consuming batches it cannot run, failing them. Leave instead (SystemExit is not an

@@ -60,6 +60,11 @@ MIN_CALL_TIMEOUT_MS = 2000
 CALL_TIMEOUT_ESTIMATES = 10
 
 
+# An idle GPU thread wakes this often to apply a newly published policy (well within the
+# heartbeat's period: a worker reports a new version at its next heartbeat, busy or idle).
+IDLE_POLICY_CHECK_S = 0.2
+
+
 def auto_call_timeout_ms(estimate_ms: float) -> float:
     return max(MIN_CALL_TIMEOUT_MS, CALL_TIMEOUT_ESTIMATES * estimate_ms)
 
@@ -218,12 +223,17 @@ class BatchPipeline:
         while True:
             with self._changed:
                 while self._waiting is None and unpublished is None and not self._closed:
-                    self._changed.wait()
+                    if not self._changed.wait(IDLE_POLICY_CHECK_S):
+                        break  # idle a while: the policy is applied below
                 task, self._waiting = self._waiting, None
                 self._taken = task[0] if task else None
+                closed = self._closed
             if task is None:
                 if unpublished is None:
-                    return  # closed, and nothing left to answer
+                    if closed:
+                        return  # closed, and nothing left to answer
+                    self._apply_policy()
+                    continue
                 # No batch for the GPU: the answers leave at once, from here.
                 self._publish(unpublished.batch_id, unpublished.answers)
                 self._reports.put(_Report(unpublished.batch_id, unpublished))
@@ -239,6 +249,14 @@ class BatchPipeline:
                     self._taken, self._turn, self._call_started = None, None, None
                     self._finished += 1
                     self._changed.notify_all()
+
+    def _apply_policy(self) -> None:
+        """An idle GPU takes a new policy (or refuses it) now, not at its next batch: its
+        heartbeat reports what it runs under. From the GPU thread, the sampler's owner."""
+        try:
+            self.runner.apply_policy()
+        except Exception:  # the next batch tries again
+            log.exception("the policy could not be applied while idle")
 
     def _run(self, batch_id: str, lane: int, unpublished: Turn | None) -> Turn | None:
         """Seal a batch for the task of `batch_id` (that one, or a higher lane's), have the

@@ -109,7 +109,16 @@ class BatchRunner:
             )
         )
         self.metrics = metrics or WorkerMetrics(worker)
+        # The policy this worker runs under (the sampler's own settings until one applies),
+        # and the last published version its sampler refused, with why.
+        self.applied = Policy(
+            max_batch_size=aggregator.max_batch_size,
+            deadline_ms=aggregator.deadline_ms,
+            **asdict(sampler.generation),
+        )
         self.applied_version = -1
+        self.refused_version: int | None = None
+        self.refused_reason = ""
         self.estimate_ms = 0.0  # one sampling call: the deadline-drop cutoff
         # One batch's whole turn on this GPU (seal, calls, record): what admission predicts
         # queued batches with.
@@ -144,18 +153,32 @@ class BatchRunner:
         log.info("sampler %s warmed up: %.1f ms per call", self.sampler.name, self.estimate_ms)
 
     def apply_policy(self) -> Policy:
-        """Bring the sampler and aggregator to the live policy; called between calls only."""
+        """Bring the sampler and aggregator to the live policy; called between calls only.
+        The policy this worker runs under is returned: the live one, or, when the sampler
+        refuses the live one (its `max_new_tokens` above the model's context, say), the one
+        it had, whole. A refused version is not applied in part nor reported as applied (the
+        heartbeat reports `applied_version` and the refusal), and not tried again until a
+        newer one is published."""
         policy = self.policy()
-        if policy.version != self.applied_version:
-            if policy.generation != self.sampler.generation:
-                try:
-                    self.sampler.configure(policy.generation)
-                except ValueError as exc:
-                    log.error("policy %d not applied to the sampler: %s", policy.version, exc)
-            self.aggregator.configure(
-                max_batch_size=policy.max_batch_size, deadline_ms=policy.deadline_ms
-            )
-            self.applied_version = policy.version
+        if policy.version == self.applied_version or policy.version == self.refused_version:
+            return self.applied
+        if policy.generation != self.sampler.generation:
+            try:
+                self.sampler.configure(policy.generation)
+            except ValueError as exc:
+                log.error(
+                    "policy %d refused by the sampler, this worker keeps policy %d: %s",
+                    policy.version,
+                    self.applied_version,
+                    exc,
+                )
+                self.refused_version, self.refused_reason = policy.version, str(exc)
+                return self.applied
+        self.aggregator.configure(
+            max_batch_size=policy.max_batch_size, deadline_ms=policy.deadline_ms
+        )
+        self.applied, self.applied_version = policy, policy.version
+        self.refused_version, self.refused_reason = None, ""
         return policy
 
     def run(self, batch_id: str, lane: int = UNKNOWN_LANE) -> list[Result] | None:

@@ -86,6 +86,7 @@ class Stack:
     own_database: bool = False
     redis: EmbeddedRedis | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    worker_gpus: list[int | None] = field(default_factory=list)  # each worker's, in order
     web: subprocess.Popen[bytes] | None = None
     # Where each web process marks itself booted (gunicorn.conf.py's post_worker_init): None
     # when the config is not this tree's, which may not mark (an older checkout benchmarked).
@@ -125,24 +126,29 @@ class Stack:
         return self
 
     def start_worker(self, gpu: int | None) -> subprocess.Popen[bytes]:
-        worker = self._spawn_worker(gpu)
+        """A worker on `gpu` (None: a CPU worker); a second one on the same GPU or on CPU
+        gets a name of its own (workers.launch.worker_command's replica)."""
+        worker = self._spawn_worker(gpu, self.worker_gpus.count(gpu))
         self.workers.append(worker)
+        self.worker_gpus.append(gpu)
         return worker
 
     def restart_worker(self, index: int) -> subprocess.Popen[bytes]:
-        """Start the worker of `self.gpus[index]` again, in place of one that exited."""
-        self.workers[index] = self._spawn_worker(self.gpus[index])
+        """Start the `index`-th worker again, under its name, in place of one that exited."""
+        gpu = self.worker_gpus[index]
+        self.workers[index] = self._spawn_worker(gpu, self.worker_gpus[:index].count(gpu))
         return self.workers[index]
 
-    def _spawn_worker(self, gpu: int | None) -> subprocess.Popen[bytes]:
+    def _spawn_worker(self, gpu: int | None, replica: int) -> subprocess.Popen[bytes]:
         from workers.launch import worker_command, worker_environment
 
         env = worker_environment(gpu, self.environment())
         queue = env_str("SAMPLING_QUEUE", "sampling", environ=env)
-        output = self._output(f"worker-{'cpu' if gpu is None else gpu}")
+        suffix = f"-{replica}" if replica else ""
+        output = self._output(f"worker-{'cpu' if gpu is None else gpu}{suffix}")
         return subprocess.Popen(
-            worker_command(gpu, queue, self.worker_args), cwd=self.root, env=env, stdout=output,
-            stderr=subprocess.STDOUT if output else None, start_new_session=True,
+            worker_command(gpu, queue, self.worker_args, replica), cwd=self.root, env=env,
+            stdout=output, stderr=subprocess.STDOUT if output else None, start_new_session=True,
         )  # fmt: skip
 
     def start_web(self) -> subprocess.Popen[bytes]:
@@ -254,7 +260,7 @@ class Supervisor:
         assert stack.web is not None, "start the stack first"
         self.processes = [_Supervised("gunicorn", stack.web, stack.start_web, now)]
         for index, worker in enumerate(stack.workers):
-            gpu = stack.gpus[index]
+            gpu = stack.worker_gpus[index]
             name = f"worker {'cpu' if gpu is None else f'gpu{gpu}'}"
             restart = functools.partial(stack.restart_worker, index)
             self.processes.append(_Supervised(name, worker, restart, now))

@@ -25,6 +25,7 @@ from batching.topology import redis_client
 from inference_site.lib.embedded_cluster import EmbeddedCluster
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
+from inference_site.redis_client import MAX_CONNECTIONS_PER_PROCESS, connect
 from tests.support.http import Reply, sample
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
@@ -191,3 +192,20 @@ def test_a_cluster_client_refuses_a_dead_master_at_once(cluster: EmbeddedCluster
                 assert client.set(key, "x")
     finally:
         cluster.restart(victim)
+
+
+def test_a_web_process_cluster_client_waits_for_a_free_connection(
+    cluster: EmbeddedCluster,
+) -> None:
+    """More calls at once on one master than a web process's pool holds: each waits for a
+    connection, as on one Redis (redis-py's default cluster pool raised MaxConnectionsError at
+    its limit, a 503 for a request a single Redis serves)."""
+    client = connect(cluster.url, cluster=True)
+    calls = MAX_CONNECTIONS_PER_PROCESS + 16
+    key = "{pool-wait}nothing"  # one slot: one master's pool
+
+    def hold_a_connection(_: int) -> object:
+        return client.blpop([key], timeout=0.2)  # duration: holds its connection that long
+
+    with ThreadPoolExecutor(calls) as pool:
+        assert list(pool.map(hold_a_connection, range(calls))) == [None] * calls

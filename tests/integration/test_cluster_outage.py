@@ -2,7 +2,9 @@
 process runs again (the key and policy watchers and the statistics flush of each web process,
 the worker's heartbeat, policy watcher and hand-over scan). In cluster mode redis-py raises
 RedisClusterException, not a RedisError, when no node answers: loops that caught only
-RedisError died with the outage, and a key created afterwards stayed refused for good."""
+RedisError died with the outage, and a key created afterwards stayed refused for good; and
+requests that met it were answered 500, not 503. Every request the test sends, during the
+outage and after it, gets anything but a 500."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from batching.topology import redis_client
 from inference_site.lib.embedded_cluster import EmbeddedCluster
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
-from tests.support.http import sample
+from tests.support.http import Reply, request, sample
 from tests.support.keys import bearer, create_key
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
@@ -44,11 +46,18 @@ def broker() -> Iterator[EmbeddedRedis]:
     server.stop()
 
 
+SEEN: list[tuple[str, int]] = []  # the path and status of every request of the test
+
+
+def ask(stack: Stack, key: str, prompt: str = "E equals ") -> Reply:
+    reply = sample(stack.base_url, prompt, headers=bearer(key))
+    SEEN.append(("/sample", reply.status))
+    return reply
+
+
 def every_process_answers(stack: Stack, key: str, status: int, prompt: str = "E equals ") -> bool:
     """8 requests in a row (spread over the web processes) all got `status`."""
-    return all(
-        sample(stack.base_url, prompt, headers=bearer(key)).status == status for _ in range(8)
-    )
+    return all(ask(stack, key, prompt).status == status for _ in range(8))
 
 
 def test_every_loop_of_every_process_runs_again_after_every_master_died(
@@ -74,15 +83,25 @@ def test_every_loop_of_every_process_runs_again_after_every_master_died(
     before = create_key(stack, "before the outage")
     wait_until(lambda: every_process_answers(stack, before, 200), 10, "the first key everywhere")
 
+    SEEN.clear()
     for index in range(cluster.masters):
         cluster.kill(index)
     outage_ends = time.monotonic() + OUTAGE_S
     # Requests meanwhile: statistics and keys' last use pile up for flushes that fail.
     while time.monotonic() < outage_ends:
-        assert sample(stack.base_url, "E equals ", headers=bearer(before)).status == 503
+        reply = ask(stack, before)
+        assert reply.status == 503, reply.body
+        assert reply.headers.get("retry-after") == "1"
+        for path in ("/v1/models", "/v1/usage", "/readyz", "/metrics"):  # the GET endpoints too
+            got = request(stack.base_url, path, method="GET", headers=bearer(before))
+            SEEN.append((path, got.status))
+        # The model list needs no Redis: served, without the workers' figures.
+        assert SEEN[-4] == ("/v1/models", 200)
         time.sleep(0.1)  # duration: a trickle of requests over the outage
     for node in cluster.nodes:
         node.start()
+    # Requests while the cluster forms again, until they are served.
+    wait_until(lambda: ask(stack, before).status == 200, 20, "served again after the restart")
     cluster.wait_healthy()
     restarted_at = time.time()
 
@@ -92,7 +111,7 @@ def test_every_loop_of_every_process_runs_again_after_every_master_died(
     wait_until(lambda: every_process_answers(stack, after, 200), PROPAGATION_S + 3, "new key")
     assert time.monotonic() - created_at < PROPAGATION_S
     prompt = f"E equals {uuid.uuid4().hex[:6]} "
-    assert sample(stack.base_url, prompt, headers=bearer(after)).body == expected_completion(prompt)
+    assert ask(stack, after, prompt).body == expected_completion(prompt)
 
     # The worker's heartbeat.
     def worker_info() -> dict[str, Any]:
@@ -127,5 +146,6 @@ def test_every_loop_of_every_process_runs_again_after_every_master_died(
     for loop in ("access-watcher", "policy-watcher", "stats-flush"):
         assert f"{loop} runs again after" in web_log, loop
     assert worker_log.count("cannot send the heartbeat") == 1  # once per outage
+    assert [seen for seen in SEEN if seen[1] >= 500 and seen[1] != 503] == []
     assert stack.web is not None
     assert all(process.poll() is None for process in [stack.web, *stack.workers])

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import html
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,13 +23,17 @@ import pytest
 import redis
 
 from batching.aggregator import HELD_SUFFIX, BatchAggregator
+from batching.policy import Policy
 from inference_site.lib.embedded_redis import free_port
 from inference_site.lib.stack import ROOT, Stack
-from tests.support import unique_queue
+from operations.models import POLICY_FIELDS
+from tests.support import ADMIN_PASSWORD, ADMIN_USER, unique_queue
+from tests.support.admin_client import AdminSession
 from tests.support.http import Reply, request, sample
-from tests.support.probe_sampler import stuck_call_key
+from tests.support.probe_sampler import CONTEXT_TOKENS, stuck_call_key
 from tests.support.waiting import wait_until
-from workers.lifecycle import EXIT_HUNG_CALL, EXIT_UNHEALTHY_GPU
+from workers.launch import worker_command, worker_environment
+from workers.lifecycle import EXIT_DUPLICATE_NAME, EXIT_HUNG_CALL, EXIT_UNHEALTHY_GPU
 from workers.runner import FAILED_CALLS_UNHEALTHY
 from workers.samplers.simulated import expected_completion
 
@@ -283,3 +290,107 @@ def test_make_run_starts_a_worker_that_exits_again(make_run: MakeRun) -> None:
     assert process.poll() is None  # make run goes on
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
+
+
+def policy_fields(queue: str, max_new_tokens: int) -> dict[str, str]:
+    """The admin's policy form: the environment's settings but `max_new_tokens`."""
+    defaults = Policy()
+    fields = {name: getattr(defaults, name) for name in POLICY_FIELDS}
+    fields = {name: "" if value is None else str(value) for name, value in fields.items()}
+    return {**fields, "queue": queue, "max_new_tokens": str(max_new_tokens)}
+
+
+def beat_after(info: Callable[[], dict[str, object]], heartbeat_at: object) -> bool:
+    return info()["heartbeat_at"] != heartbeat_at
+
+
+def test_a_policy_the_sampler_refuses_is_not_reported_applied_and_the_admin_says_so(
+    start_stack: Callable[..., Stack],
+) -> None:
+    stack = start_stack("refused-policy", env={"SAMPLER": PROBE})
+    queue = stack.env["SAMPLING_QUEUE"]
+    aggregator = BatchAggregator(redis.Redis.from_url(stack.env["REDIS_URL"]), queue)
+    session = AdminSession(stack.base_url)
+    session.login(ADMIN_USER, ADMIN_PASSWORD)
+
+    def info() -> dict[str, object]:
+        (found,) = [found for _, found in aggregator.workers.infos(0)]
+        return found
+
+    # Version 1, which the sampler takes.
+    status, url, _ = session.post_form(
+        "/admin/sampling/samplingpolicy/add/", policy_fields(queue, 32)
+    )
+    assert (status, url) == (200, stack.base_url + "/admin/sampling/samplingpolicy/")
+    wait_until(lambda: info().get("policy_version") == 1, 5, "the worker on version 1")
+    assert 'id="policy-disagreement"' not in session.get("/admin/stats/")[1]
+
+    # Version 2, past the sampler's context: refused, and said so.
+    page = session.get("/admin/sampling/samplingpolicy/")[1]
+    change = re.search(r"/admin/sampling/samplingpolicy/(\d+)/change/", page)
+    assert change
+    status, _, _ = session.post_form(change.group(0), policy_fields(queue, CONTEXT_TOKENS))
+    assert status == 200
+    wait_until(lambda: info().get("policy_refused") == 2, 5, "the worker's refusal")
+    assert info()["policy_version"] == 1  # what it runs under, not what it was sent
+    assert "context" in str(info()["policy_refused_reason"])
+    assert sample(stack.base_url, "still served").body == expected_completion("still served")
+    for _ in range(2):  # not its version on a later heartbeat either
+        wait_until(functools.partial(beat_after, info, info()["heartbeat_at"]), 3, "a heartbeat")
+        assert (info()["policy_version"], info()["policy_refused"]) == (1, 2)
+
+    # The admin's stats page: the worker disagrees with the saved policy, and why.
+    status, stats_page = session.get("/admin/stats/")
+    assert status == 200
+    shown = re.search(r'<div [^>]*id="policy-disagreement">(.*?)</div>', stats_page, re.S)
+    assert shown, "the stats page does not say that the worker disagrees"
+    text = html.unescape(re.sub(r"<[^>]+>", " ", shown.group(1)))
+    assert "not run the saved policy version 2" in " ".join(text.split())
+    assert "runs version 1" in text
+    assert f"refused version 2 (max new tokens ({CONTEXT_TOKENS})" in text
+
+    # A version the sampler takes ends the disagreement.
+    status, _, _ = session.post_form(change.group(0), policy_fields(queue, 16))
+    assert status == 200
+    wait_until(lambda: info().get("policy_version") == 3, 5, "the worker on version 3")
+    assert info()["policy_refused"] is None
+    assert 'id="policy-disagreement"' not in session.get("/admin/stats/")[1]
+
+
+def test_a_second_worker_under_a_live_workers_name_refuses_to_start(
+    start_stack: Callable[..., Stack],
+) -> None:
+    stack = start_stack("duplicate-name", env={"SAMPLER": "simulated"})
+    queue = stack.env["SAMPLING_QUEUE"]
+    aggregator = BatchAggregator(redis.Redis.from_url(stack.env["REDIS_URL"]), queue)
+    wait_until(lambda: aggregator.workers.live_count() == 1, 10, "the first worker live")
+    ((name, first),) = aggregator.workers.infos(0)
+    env = {**worker_environment(None, stack.environment()), "PYTHONPATH": str(ROOT)}
+    second = subprocess.run(
+        worker_command(None, queue), cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    output = second.stdout + second.stderr
+    assert second.returncode == EXIT_DUPLICATE_NAME, output[-2000:]
+    assert f"worker {name}: another live worker process runs under this name" in output
+    assert f"pid {first['pid']}" in output  # which one holds it
+    assert "loaded for queue" not in output  # refused before loading a sampler
+    # The first worker goes on, alone under its name.
+    assert aggregator.workers.live_count() == 1
+    assert [info["pid"] for _, info in aggregator.workers.infos(0)] == [first["pid"]]
+    assert sample(stack.base_url, "still one").body == expected_completion("still one")
+
+
+def test_several_cpu_workers_of_a_stack_count_as_several(
+    start_stack: Callable[..., Stack],
+) -> None:
+    """Four CPU workers on one host: four names, four live workers for admission (they were
+    one, all named `{queue}-cpu@host`)."""
+    stack = start_stack("four-cpu", env={"SAMPLER": "simulated"}, gpus=[None] * 4)
+    aggregator = BatchAggregator(
+        redis.Redis.from_url(stack.env["REDIS_URL"]), stack.env["SAMPLING_QUEUE"]
+    )
+    wait_until(lambda: aggregator.workers.live_count() == 4, 30, "four live workers")
+    names = [name for name, _ in aggregator.workers.infos(0)]
+    assert len(set(names)) == 4, names
+    assert all(process.poll() is None for process in stack.workers)

@@ -5,7 +5,9 @@ It is the simulated sampler plus probes, each triggered by a prompt's prefix:
     items never reached it);
   - "raise:" fails the call (a failing sampler);
   - "hang:" never returns (a hung call: a CUDA kernel that never ends);
-  - "slow:" takes SLOW_MS instead of the usual call.
+  - "slow:" takes SLOW_MS instead of the usual call;
+  - a policy whose max_new_tokens leaves no room in its CONTEXT_TOKENS is refused, as a
+    model's sampler refuses one past its context (ValueError, the settings kept).
 A hung or slow call first records its prompts and this process's pid (`stuck_call_key`), so a
 test knows which worker runs it and which requests it holds.
 """
@@ -20,10 +22,12 @@ import time
 import redis
 from django.conf import settings
 
+from batching.policy import GenerationSettings
 from workers.samplers.base import PromptRejected
 from workers.samplers.simulated import SimulatedSampler
 
 SLOW_MS = 1500
+CONTEXT_TOKENS = 2048
 
 
 def seen_key(queue: str) -> str:
@@ -43,6 +47,14 @@ class ProbeSampler(SimulatedSampler):
         super().__init__(batch_ms=settings.SIMULATED_BATCH_MS)
         self.client = redis.Redis.from_url(settings.REDIS_URL)
         self.queue = settings.SAMPLING_QUEUE
+
+    def configure(self, generation: GenerationSettings) -> None:
+        if generation.max_new_tokens >= CONTEXT_TOKENS:
+            raise ValueError(
+                f"max new tokens ({generation.max_new_tokens}) leaves no room for a prompt "
+                f"in the probe's {CONTEXT_TOKENS}-token context"
+            )
+        super().configure(generation)
 
     def sample(self, prompts: list[str]) -> list[str | PromptRejected]:
         self.client.rpush(seen_key(self.queue), *prompts)

@@ -145,6 +145,38 @@ def test_the_live_policy_reaches_the_sampler_between_calls(aggregator: BatchAggr
     assert runner.applied_version == 2
 
 
+class ShortContextSampler(RecordingSampler):
+    """Refuses more than 100 new tokens, as a model refuses a policy past its context."""
+
+    def configure(self, generation: GenerationSettings) -> None:
+        if generation.max_new_tokens > 100:
+            raise ValueError("no room for a prompt")
+        super().configure(generation)
+
+
+def test_a_policy_the_sampler_refuses_is_not_applied_in_part_nor_reported(
+    aggregator: BatchAggregator,
+) -> None:
+    sampler = ShortContextSampler()
+    live = {"policy": Policy(max_batch_size=100, max_new_tokens=32, version=1)}
+    runner = BatchRunner(aggregator, sampler, "w", policy=lambda: live["policy"])
+    assert runner.apply_policy().version == 1
+    live["policy"] = Policy(max_batch_size=5, max_new_tokens=500, version=2)
+    kept = runner.apply_policy()
+    assert (kept.version, kept.max_batch_size) == (1, 100)  # the old one, whole
+    assert (runner.applied_version, runner.refused_version) == (1, 2)
+    assert runner.refused_reason == "no room for a prompt"
+    assert (sampler.generation.max_new_tokens, aggregator.max_batch_size) == (32, 100)
+    ticket = aggregator.append("a", 500)
+    runner.run(ticket.batch_id)
+    record = json.loads(aggregator.batch_log.recent(1)[0])
+    assert record["policy_version"] == 1
+    live["policy"] = Policy(max_batch_size=5, max_new_tokens=50, version=3)
+    assert runner.apply_policy().version == 3
+    assert (runner.applied_version, runner.refused_version, runner.refused_reason) == (3, None, "")
+    assert aggregator.max_batch_size == 5
+
+
 def test_a_batch_opened_under_a_larger_max_runs_in_calls_of_the_new_max(
     aggregator: BatchAggregator,
 ) -> None:

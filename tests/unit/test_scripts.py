@@ -10,17 +10,18 @@ import redis
 from batching import scripts
 from batching.keys import QueueKeys
 from batching.lanes import SCRIPT_CONSTANTS
-from batching.registry import WorkerRegistry
+from batching.registry import HEARTBEAT_TIMEOUT_MS, WorkerRegistry
 from tests.support import unique_queue
 from tests.support.clocks import redis_ms
+from tests.support.waiting import wait_until
 
 SCRIPT_NAMES = sorted(path.stem for path in scripts.LUA_DIR.glob("*.lua") if path.stem != "common")
 
 
 def test_every_script_is_known() -> None:
     assert SCRIPT_NAMES == [
-        "admission", "cached_append", "clock", "close", "heartbeat", "publish", "seal",
-        "take_due",
+        "admission", "cached_append", "claim_name", "clock", "close", "heartbeat", "publish",
+        "seal", "take_due",
     ]  # fmt: skip
 
 
@@ -58,3 +59,18 @@ def test_a_script_reads_a_set_clock_or_the_node_s(redis_client: redis.Redis) -> 
     assert workers.heartbeat("gpu0", now_ms=now - 4000) == 1
     assert workers.live_count() == 1  # the node's time: 4 s later, within the timeout
     assert workers.live_count(now_ms=now + 1001) == 0  # 5,001 ms after its heartbeat
+
+
+def test_a_worker_name_is_claimed_by_one_process_at_a_time(redis_client: redis.Redis) -> None:
+    workers = WorkerRegistry(redis_client, QueueKeys(unique_queue("claim")))
+    owner = workers.keys.worker_owner("gpu0")
+    assert workers.claim("gpu0", "a") is None
+    assert workers.claim("gpu0", "b") == "a"  # a live one holds it
+    assert workers.claim("gpu0", "a") is None  # renewed
+    assert 0 < redis_client.pttl(owner) <= HEARTBEAT_TIMEOUT_MS
+    workers.release("gpu0", "b")  # not its claim: kept
+    assert workers.claim("gpu0", "b") == "a"
+    workers.release("gpu0", "a")
+    assert workers.claim("gpu0", "b") is None
+    redis_client.pexpire(owner, 1)  # b died without releasing it: its claim expires
+    wait_until(lambda: workers.claim("gpu0", "c") is None, 1, "the expired claim taken")

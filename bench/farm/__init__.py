@@ -1,9 +1,17 @@
-"""A scaled-down farm: 2 web nodes and 4 simulated GPUs, the request path on 1 Redis or 3 shards.
+"""A scaled-down farm: 2 web nodes and simulated GPUs (4; 21 --slow-motion), on 1 Redis or 3 shards.
 
 On this machine: two web nodes and 4 simulated GPUs, the request path on one Redis or spread
 as 3 shards over a local 3-master cluster, under the same load.
 
     .venv/bin/python -m bench farm [--rounds 2] [--rate 400] [--seconds 10]
+        [--gpus 4] [--call-ms 100] [--deadline-ms D] [--topology both|one|cluster]
+    .venv/bin/python -m bench farm --slow-motion [--topology cluster]
+
+`--slow-motion` is the 20,000 req/s farm (21 GPUs, 100 ms calls, 500 ms deadlines) slowed
+down 20 times so that this machine carries it: 21 simulated workers with 2,000 ms calls and
+10,000 ms deadlines under 1,000 req/s for 60 s, one round. Its bar: at least 99.9% of the
+requests answered 200 and none 500 on the cluster, as on one Redis (the last line says
+whether each topology met it).
 
 Each round starts, per topology, a fresh set of servers and processes:
   - the Celery broker on its own Redis (CELERY_BROKER_URL; REDIS_URL points there too);
@@ -11,13 +19,15 @@ Each round starts, per topology, a fresh set of servers and processes:
     or a 3-master valkey cluster (SAMPLING_REDIS_CLUSTER=1) with SAMPLING_SHARDS=3, one
     shard per master;
   - two web nodes: two gunicorn instances of one process each, on their own ports;
-  - 4 Celery workers with the simulated sampler (SIMULATED_BATCH_MS, 100 ms a call).
+  - `--gpus` Celery workers with the simulated sampler (SIMULATED_BATCH_MS: `--call-ms`).
 Then it offers open-loop Poisson load split evenly over the two ports (a warm-up, then the
 measured part) and prints, per topology, the medians over the rounds of: goodput, the shares
-of 503 and 504, p50 and p99 latency, batch fill (items per batch, from the batch records of
-the measured part), web CPU per request (both gunicorns), and each Redis node's CPU per
-request (`INFO cpu`): the request path's node(s), and the broker. Topologies alternate
-between rounds: the machine is noisy. Every 200 is checked against its own prompt.
+of 200, 503, 504 and any other answer (a 500, a connection error, no answer within the
+deadline and 2 s: one example is printed), p50 and p99 latency, batch fill (items per batch,
+from the batch records of the measured part), web CPU per request (both gunicorns), and each
+Redis node's CPU per request (`INFO cpu`): the request path's node(s), and the broker.
+Topologies alternate between rounds: the machine is noisy. Every 200 is checked against its
+own prompt.
 """
 
 from __future__ import annotations
@@ -38,24 +48,26 @@ import redis
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.topology import redis_client
+from bench.farm.report import table, verdicts
+from bench.farm.shape import (
+    CALL_MS,
+    CHOSEN,
+    CLUSTER_SHARDS,
+    GPUS,
+    ONE_REDIS,
+    SLOW_MOTION,
+    SLOWED,
+    WEB_NODES,
+    Shape,
+)
 from bench.harness import loadgen
 from bench.harness.machine import describe_machine
 from bench.harness.procstat import cpu_seconds, redis_cpu
-from bench.harness.report import markdown_table
 from bench.harness.stack import Stack, simulated_env, simulated_stack
-from bench.harness.stats import median_of_rounds
 from bench.harness.trees import in_turn
 from inference_site.lib.embedded_cluster import EmbeddedCluster
 from inference_site.lib.embedded_redis import EmbeddedRedis, valkey_binary
 from workers.samplers.simulated import expected_completion
-
-CALL_MS = 100
-GPUS = 4
-WEB_NODES = 2
-ONE_REDIS = "one Redis"
-CLUSTER = "3 shards, 3-master cluster"
-TOPOLOGIES = [ONE_REDIS, CLUSTER]
-CLUSTER_SHARDS = 3
 
 
 @contextlib.contextmanager
@@ -78,21 +90,29 @@ def request_path(topology: str) -> Iterator[tuple[dict[str, str], list[redis.Red
         yield settings, [cluster.client(i) for i in range(CLUSTER_SHARDS)]
 
 
-def one_round(topology: str, rate_rps: float, seconds: float, work: Path) -> dict[str, object]:
+def one_round(
+    topology: str, rate_rps: float, seconds: float, work: Path, shape: Shape
+) -> dict[str, object]:
     broker = EmbeddedRedis(binary=valkey_binary()).start()
     stacks: list[Stack] = []
     try:
         with request_path(topology) as (settings, nodes):
             queue = f"farm-{uuid.uuid4().hex[:8]}"
             env = {
-                **simulated_env(broker.url, queue, call_ms=CALL_MS, CELERY_BROKER_URL=broker.url),
+                **simulated_env(
+                    broker.url,
+                    queue,
+                    call_ms=shape.call_ms,
+                    deadline_ms=shape.deadline_ms,
+                    CELERY_BROKER_URL=broker.url,
+                ),
                 **settings,
             }
             # The first web node starts the workers too; the second is a gunicorn alone.
             for node in range(WEB_NODES):
                 stack = simulated_stack(
                     env,
-                    gpus=[None] * GPUS if node == 0 else [],
+                    gpus=[None] * shape.gpus if node == 0 else [],
                     web_processes=1,
                     log_dir=work / queue / f"node-{node}",
                 )
@@ -108,11 +128,12 @@ def one_round(topology: str, rate_rps: float, seconds: float, work: Path) -> dic
             def load(duration_s: float, label: str) -> loadgen.Results:
                 return loadgen.run(
                     "127.0.0.1", ports, "/sample", rate_rps, duration_s,
-                    lambda i: f"{label} {tag} {i}", expected_completion, client_timeout_s=3.0,
+                    lambda i: f"{label} {tag} {i}", expected_completion,
+                    client_timeout_s=shape.client_timeout_s,
                 )  # fmt: skip
 
             load(3.0, "warm")
-            time.sleep(1.0)  # the warm-up's last batches recorded
+            time.sleep(shape.call_ms / 1000 + 0.9)  # the warm-up's last batches recorded
             aggregator.client.delete(aggregator.keys.batch_log)
             broker_client = redis.Redis.from_url(broker.url)
             redis_before = [redis_cpu(node).total_s for node in nodes]
@@ -131,73 +152,84 @@ def one_round(topology: str, rate_rps: float, seconds: float, work: Path) -> dic
             wrong = results.count(loadgen.WRONG)
             if wrong:
                 raise RuntimeError(f"{wrong} requests got someone else's completion")
-            sent = results.sent
-            return {
-                "goodput": results.goodput_rps,
-                "ok_%": 100 * results.share(RequestOutcome.OK),
-                "503_%": 100 * results.share(RequestOutcome.REJECTED),
-                "504_%": 100 * results.share(RequestOutcome.TIMEOUT),
-                "p50_ms": results.percentile_ms(50),
-                "p99_ms": results.percentile_ms(99),
-                "fill": statistics.mean(sizes) if sizes else 0.0,
-                "batches": len(sizes),
-                "web_ms": web_used / sent * 1000,
-                "redis_us": [used / sent * 1e6 for used in redis_used],
-                "broker_us": broker_used / sent * 1e6,
-            }
+            return _row(results, sizes, web_used, redis_used, broker_used)
     finally:
         for stack in reversed(stacks):
             stack.stop()
         broker.stop()
 
 
-def table(figures: dict[str, list[dict[str, object]]], rate_rps: float) -> str:
-    rounds = min(len(runs) for runs in figures.values())
-    header = [
-        "request path", "goodput req/s", "503 %", "504 %", "p50 ms", "p99 ms", "items/batch",
-        "web CPU ms/req", "Redis CPU µs/req, per node", "broker µs/req",
-    ]  # fmt: skip
-    rows = []
-    for topology, runs in figures.items():
-        row = median_of_rounds(runs)
-        per_node = row["redis_us"]
-        rows.append([
-            topology, f"{row['goodput']:.0f}", f"{row['503_%']:.1f}", f"{row['504_%']:.1f}",
-            f"{row['p50_ms']:.0f}", f"{row['p99_ms']:.0f}", f"{row['fill']:.1f}",
-            f"{row['web_ms']:.2f}",
-            f"{', '.join(f'{us:.0f}' for us in per_node)} (sum {sum(per_node):.0f})",
-            f"{row['broker_us']:.0f}",
-        ])  # fmt: skip
-    title = (
-        f"Farm: {WEB_NODES} web nodes (1 gunicorn process each), {GPUS} simulated GPUs "
-        f"({CALL_MS} ms a call), {rate_rps:g} req/s offered, medians of {rounds} rounds"
-    )
-    return f"{title}\n\n{markdown_table(header, rows, align='lrrrrrrrlr')}\n"
+def _row(
+    results: loadgen.Results,
+    sizes: list[int],
+    web_used: float,
+    redis_used: list[float],
+    broker_used: float,
+) -> dict[str, object]:
+    """A round's figures from its load's results, batch sizes and CPU seconds used."""
+    sent = results.sent
+    return {
+        "goodput": results.goodput_rps,
+        "sent": sent,
+        "ok_%": 100 * results.share(RequestOutcome.OK),
+        "other": results.count(loadgen.OTHER),
+        "other_example": results.examples.get(loadgen.OTHER, ""),
+        "503_%": 100 * results.share(RequestOutcome.REJECTED),
+        "504_%": 100 * results.share(RequestOutcome.TIMEOUT),
+        "p50_ms": results.percentile_ms(50),
+        "p99_ms": results.percentile_ms(99),
+        "fill": statistics.mean(sizes) if sizes else 0.0,
+        "batches": len(sizes),
+        "web_ms": web_used / sent * 1000,
+        "redis_us": [used / sent * 1e6 for used in redis_used],
+        "broker_us": broker_used / sent * 1e6,
+    }
+
+
+# The options' defaults; --slow-motion's (SLOW_MOTION) over them; any option given over both.
+DEFAULTS = {"gpus": GPUS, "call_ms": CALL_MS, "deadline_ms": None, "rate": 400.0,
+            "seconds": 10.0, "rounds": 2}  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--rate", type=float, default=400.0, help="offered req/s, both nodes")
-    parser.add_argument("--seconds", type=float, default=10.0, help="the measured part")
+    parser.add_argument("--rounds", type=int, help=f"default {DEFAULTS['rounds']}")
+    parser.add_argument("--rate", type=float, help="offered req/s, both nodes (default 400)")
+    parser.add_argument("--seconds", type=float, help="the measured part (default 10)")
+    parser.add_argument("--gpus", type=int, help=f"simulated workers (default {GPUS})")
+    parser.add_argument("--call-ms", type=int, help=f"a simulated call (default {CALL_MS})")
+    parser.add_argument("--deadline-ms", type=int, help="default: the service's")
+    parser.add_argument("--topology", choices=sorted(CHOSEN), default="both")
+    parser.add_argument(
+        "--slow-motion",
+        action="store_true",
+        help=f"the 20,000 req/s farm slowed {SLOWED}x: "
+        + ", ".join(f"--{name.replace('_', '-')} {value:g}" for name, value in SLOW_MOTION.items()),
+    )
 
 
 def main(args: argparse.Namespace) -> None:
+    for name, default in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, SLOW_MOTION[name] if args.slow_motion else default)
+    shape = Shape(args.gpus, args.call_ms, args.deadline_ms)
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench-farm-"))
-    figures: dict[str, list[dict[str, object]]] = {topology: [] for topology in TOPOLOGIES}
+    topologies = CHOSEN[args.topology]
+    figures: dict[str, list[dict[str, object]]] = {topology: [] for topology in topologies}
     try:
         for round_index in range(args.rounds):
-            for topology in in_turn(TOPOLOGIES, round_index):
-                row = one_round(topology, args.rate, args.seconds, work)
+            for topology in in_turn(topologies, round_index):
+                row = one_round(topology, args.rate, args.seconds, work, shape)
                 figures[topology].append(row)
                 shown = "  ".join(
                     f"{name} {value:.1f}" if isinstance(value, float) else f"{name} {value}"
                     for name, value in row.items()
-                    if not isinstance(value, list)
+                    if not isinstance(value, list) and name != "other_example"
                 )
                 print(f"  round {round_index + 1} {topology}: {shown}", flush=True)
         print()
-        print(table(figures, args.rate))
+        print(table(figures, args.rate, shape))
+        print("\n".join(verdicts(figures)))
         print(f"{describe_machine()}; {time.monotonic() - started:.0f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
