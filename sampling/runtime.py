@@ -119,7 +119,7 @@ def web_process() -> WebProcess:
             watcher,
             RequestStats(aggregator.queue),
             AccessWatcher(client),
-            RateLimiter(client),
+            RateLimiter(client, count_items=settings.SAMPLING_RATE_LIMIT_PER_ITEM),
             Shedder(settings.WEB_MAX_IN_FLIGHT),
         )
         found.start()

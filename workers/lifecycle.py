@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import redis
 from celery import current_app, signals
@@ -230,11 +231,12 @@ class SamplingWorker:
         runner, aggregator = self.runner, self.aggregator
         now = time.time()
         runner.live_workers = max(1, aggregator.workers.heartbeat(runner.worker))
+        info = worker_info(runner, now)
         with aggregator.client.pipeline(transaction=False) as pipe:
+            # The version first: the response cache serves no older answer once it reports it.
+            aggregator.queue_cache_version(pipe, cast(int, info["policy_version"]))
             pipe.set(
-                aggregator.keys.worker_info(runner.worker),
-                json.dumps(worker_info(runner, now)),
-                px=WORKER_INFO_TTL_MS,
+                aggregator.keys.worker_info(runner.worker), json.dumps(info), px=WORKER_INFO_TTL_MS
             )
             stats.add_counts(pipe, aggregator.queue, now, stats.alive_counts(runner.worker))
             runner.metrics.publish(pipe, aggregator.queue, now)

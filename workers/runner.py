@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from batching import ratelimit, stats
+from batching import cache, ratelimit, stats
 from batching.admission import AdmissionInputs
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer, WireAnswer, to_wire
@@ -283,6 +283,21 @@ class BatchRunner:
             return Row(self.sampler.render_chat(request.messages), settings, templated=True)
         return Row(request.prompt, settings)
 
+    def _cached_answers(
+        self, items: list[Item], results: list[Answer], policy: Policy
+    ) -> dict[str, str]:
+        """The answers the response cache keeps: sampled ones of the items that asked for it,
+        each under the digest of what this worker ran (its policy, the item's key), not the
+        one its web process computed from its own copy of the policy."""
+        cached = {}
+        for item, answer in zip(items, results, strict=True):
+            if item.cache and answer.outcome == ItemOutcome.OK:
+                asked = item.request if item.request is not None else item.prompt
+                digest = cache.digest_of(self.aggregator.queue, asked, policy, item.key_id)
+                if digest:
+                    cached[digest] = answer.to_json()
+        return cached
+
     def _record(self, turn: Turn, pipe: redis.client.Pipeline | None) -> None:
         batch_id, sealed, policy = turn.batch_id, turn.sealed, turn.policy
         results, sampler_ms, calls = turn.in_order, turn.sampler_ms, len(turn.chunks)
@@ -316,12 +331,7 @@ class BatchRunner:
         )
         statistics.update(stats.token_counts(turn.tokens_by_key))
         charges = {key_id: tokens[1] for key_id, tokens in turn.tokens_by_key.items()}
-        # The answers the response cache keeps: sampled ones of the items that asked for it.
-        cached = {
-            item.cache: answer.to_json()
-            for item, answer in zip(sealed.items, results, strict=True)
-            if item.cache and answer.outcome == ItemOutcome.OK
-        }
+        cached = self._cached_answers(sealed.items, results, policy)
         cache_ttl_ms = policy.response_cache_ttl_s * 1000
         now_s = time.time()
         if pipe is not None:

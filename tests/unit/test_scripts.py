@@ -19,7 +19,7 @@ SCRIPT_NAMES = sorted(path.stem for path in scripts.LUA_DIR.glob("*.lua") if pat
 
 def test_every_script_is_known() -> None:
     assert SCRIPT_NAMES == [
-        "admission", "cached_append", "clock", "close", "heartbeat", "publish", "seal",
+        "admission", "append_items", "clock", "close", "heartbeat", "publish", "seal",
         "take_due",
     ]  # fmt: skip
 
