@@ -12,7 +12,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import redis
 
@@ -71,6 +71,9 @@ class Turn:
     # the keys' usage, and the completion tokens charged to their token rate windows, when
     # the turn is reported.
     tokens_by_key: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # The policy as the sampler ran it (its generation settings, should it have refused the
+    # policy's): the response cache stores the turn's answers under its digest.
+    ran: Policy | None = None
 
     @property
     def in_order(self) -> list[Answer]:
@@ -197,7 +200,8 @@ class BatchRunner:
         # runs as several calls of at most the new size.
         size = policy.max_batch_size
         chunks = [live[start : start + size] for start in range(0, len(live), size)]
-        return Turn(batch_id, sealed, policy, results, chunks, began)
+        ran = replace(policy, **asdict(self.sampler.generation))
+        return Turn(batch_id, sealed, policy, results, chunks, began, ran=ran)
 
     def admission_inputs(self) -> AdmissionInputs:
         return AdmissionInputs(workers=self.live_workers, turn_ms=self.turn_ms)
@@ -331,7 +335,7 @@ class BatchRunner:
         )
         statistics.update(stats.token_counts(turn.tokens_by_key))
         charges = {key_id: tokens[1] for key_id, tokens in turn.tokens_by_key.items()}
-        cached = self._cached_answers(sealed.items, results, policy)
+        cached = self._cached_answers(sealed.items, results, turn.ran or policy)
         cache_ttl_ms = policy.response_cache_ttl_s * 1000
         now_s = time.time()
         if pipe is not None:
