@@ -4,13 +4,12 @@ answered from Redis with exactly the first one's completion, no batch sampled fo
 
 from __future__ import annotations
 
-import itertools
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 import redis
@@ -22,6 +21,8 @@ from batching.aggregator import BatchAggregator
 from batching.keys import QueueKeys
 from batching.registry import HEARTBEAT_TIMEOUT_MS, WorkerRegistry
 from inference_site.lib.stack import Stack
+from tests.support import ADMIN_PASSWORD, ADMIN_USER
+from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample
 from tests.support.keys import bearer, create_key
 from tests.support.waiting import wait_until
@@ -139,7 +140,7 @@ def known_key(stack: Stack) -> str:
 
 
 def test_another_keys_identical_request_is_a_miss_unless_the_policy_shares(
-    cached: Stack,
+    cached: Stack, admin: AdminSession
 ) -> None:
     key_a, key_b = (known_key(cached) for _ in range(2))
     prompt = f"E equals {uuid.uuid4().hex[:8]} "
@@ -150,27 +151,53 @@ def test_another_keys_identical_request_is_a_miss_unless_the_policy_shares(
     assert completion(cached, prompt, key_b)[0] == "hit"
     assert completion(cached, prompt)[0] == "miss"  # anonymous requests are a scope of their own
     # Shared by the policy: one key's request is answered from another's.
-    client = redis.Redis.from_url(cached.env["REDIS_URL"])
-    version = publish_policy(cached, response_cache=True, response_cache_shared=True)
+    version = save_policy(cached, admin, response_cache_shared="on")
     try:
         wait_until(lambda: workers_report(cached, version), 10, "the workers' new policy")
         shared = f"E equals {uuid.uuid4().hex[:8]} "
         wait_until(lambda: completion(cached, shared, key_a)[0] == "hit", 5, "key A's entry")
         assert completion(cached, shared, key_b)[0] == "hit"
     finally:
-        policy.withdraw(client, cached.env["SAMPLING_QUEUE"])
+        delete_policy(cached, admin)
 
 
-VERSIONS = itertools.count(1)
+@pytest.fixture(scope="module")
+def admin(cached: Stack) -> AdminSession:
+    session = AdminSession(cached.base_url)
+    session.login(ADMIN_USER, ADMIN_PASSWORD)
+    return session
 
 
-def publish_policy(stack: Stack, **settings: Any) -> int:
-    """Publish a policy of the stack's queue, as the admin's save does; its version."""
-    client = redis.Redis.from_url(stack.env["REDIS_URL"])
-    version = next(VERSIONS)  # never one published before, withdrawn since
-    assert policy.publish(client, stack.env["SAMPLING_QUEUE"], policy.Policy(**settings,
-                          version=version))  # fmt: skip
-    return version
+POLICIES = "/admin/sampling/samplingpolicy/"
+
+
+def save_policy(stack: Stack, admin: AdminSession, **changes: str) -> int:
+    """Save the queue's policy in the admin, as an operator does (the row added, then
+    changed); the version it published."""
+    queue = stack.env["SAMPLING_QUEUE"]
+    row = re.search(rf'samplingpolicy/(\d+)/change/">{re.escape(queue)}<', admin.get(POLICIES)[1])
+    fields = {
+        "queue": queue, "max_batch_size": "100", "deadline_ms": "500",
+        "max_prompt_bytes": "8192", "max_new_tokens": "32", "temperature": "0", "top_p": "1",
+        "stop": "", "fill_target_percent": "90", "response_cache": "on",
+        "response_cache_ttl_s": "300", **changes,
+    }  # fmt: skip
+    fields = {name: value for name, value in fields.items() if value != "off"}
+    path = f"{POLICIES}{row.group(1)}/change/" if row else f"{POLICIES}add/"
+    status, url, page = admin.post_form(path, fields)
+    assert (status, url) == (200, stack.base_url + POLICIES), page
+    raw = redis.Redis.from_url(stack.env["REDIS_URL"]).get(QueueKeys(queue).policy)
+    assert raw is not None
+    return policy.Policy.from_json(raw).version
+
+
+def delete_policy(stack: Stack, admin: AdminSession) -> None:
+    """Back to the environment's policy for the other tests of this module."""
+    queue = stack.env["SAMPLING_QUEUE"]
+    row = re.search(rf'samplingpolicy/(\d+)/change/">{re.escape(queue)}<', admin.get(POLICIES)[1])
+    if row:
+        status, url, _ = admin.post_form(f"{POLICIES}{row.group(1)}/delete/", {"post": "yes"})
+        assert (status, url) == (200, stack.base_url + POLICIES)
 
 
 def workers_report(stack: Stack, version: int) -> bool:
@@ -186,11 +213,13 @@ def workers_report(stack: Stack, version: int) -> bool:
 Served = list[tuple[float, str, str, str]]  # (sent at, prompt, x-cache, text)
 
 
-def hits_after_a_change(stack: Stack, prompt: str, served: Served, words: int) -> list[str]:
+def hits_after_a_change(
+    stack: Stack, admin: AdminSession, prompt: str, served: Served, words: int
+) -> list[str]:
     """Once traffic of `prompt` hits entries of the current policy, publish one of `words`
     max tokens; the texts of the hits of requests sent after every live worker reported it."""
     wait_until(lambda: any(p == prompt and c == "hit" for _, p, c, _ in served[-8:]), 5)
-    version = publish_policy(stack, response_cache=True, max_new_tokens=words)
+    version = save_policy(stack, admin, max_new_tokens=str(words))
     wait_until(lambda: workers_report(stack, version), 10, "the new policy")
     reported = time.monotonic()
     wait_until(lambda: sum(s > reported for s, *_ in served) >= 40, 10)
@@ -202,7 +231,7 @@ def hits_after_a_change(stack: Stack, prompt: str, served: Served, words: int) -
 
 
 def test_no_answer_of_the_old_policy_is_served_once_every_worker_reports_the_new(
-    cached: Stack,
+    cached: Stack, admin: AdminSession
 ) -> None:
     """Under traffic of identical requests, the policy's max tokens changes (2 words, then 3,
     ...): once every live worker's heartbeat reports the new version, no hit carries an answer
@@ -223,11 +252,10 @@ def test_no_answer_of_the_old_policy_is_served_once_every_worker_reports_the_new
             for turn in range(6):
                 words = 2 + turn % 2
                 prompt = current["prompt"] = f"E equals {uuid.uuid4().hex[:8]} "
-                hits = hits_after_a_change(cached, prompt, served, words)
+                hits = hits_after_a_change(cached, admin, prompt, served, words)
                 assert hits, "no hit after the workers reported the new policy"
                 assert {len(text.split()) for text in hits} == {words}, (turn, hits)
         finally:
             current["stop"] = True
-            client = redis.Redis.from_url(cached.env["REDIS_URL"])
-            policy.withdraw(client, cached.env["SAMPLING_QUEUE"])
+            delete_policy(cached, admin)
     assert {cache_result for _, _, cache_result, _ in served} == {"hit", "miss"}
