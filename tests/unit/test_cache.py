@@ -14,7 +14,7 @@ from batching.answers import Answer
 from batching.generation import SampleRequest
 from batching.items import Item
 from batching.outcomes import ItemOutcome
-from batching.policy import Policy
+from batching.policy import GenerationSettings, Policy
 from batching.ratelimit import RateCounter
 from tests.support import unique_queue
 from workers.runner import BatchRunner
@@ -123,3 +123,28 @@ def test_a_worker_caches_under_the_digest_of_its_own_policy(redis_client: redis.
     }
     assert web_digest not in stored
     assert runner._cached_answers([item], answers, Policy()) == {}  # its cache is off
+
+
+class RefusingSampler(SimulatedSampler):
+    """A sampler that refuses every new policy (say, max tokens above its context)."""
+
+    def configure(self, generation: GenerationSettings) -> None:
+        raise ValueError("max_new_tokens above the model's context")
+
+
+def test_a_sampler_that_refused_the_policy_caches_under_what_it_ran(
+    redis_client: redis.Redis,
+) -> None:
+    aggregator = BatchAggregator(redis_client, unique_queue("cache"))
+    sampler = RefusingSampler()
+    published = replace(ON, version=4, max_new_tokens=sampler.generation.max_new_tokens + 5)
+    runner = BatchRunner(aggregator, sampler, "w1", policy=lambda: published)
+    ticket = aggregator.append("E equals ", 500)
+    turn = runner.begin(ticket.batch_id)
+    assert turn is not None
+    assert turn.ran is not None
+    assert turn.ran.max_new_tokens == sampler.generation.max_new_tokens  # not the policy's
+    assert turn.ran.version == 4
+    assert cache.digest_of(aggregator.queue, "E equals ", turn.ran) != cache.digest_of(
+        aggregator.queue, "E equals ", published
+    )
