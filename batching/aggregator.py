@@ -49,8 +49,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import redis
 
@@ -59,8 +58,8 @@ from batching.admission import AdmissionInputs
 from batching.batch_log import BatchLog
 from batching.clock import RedisClock
 from batching.generation import SampleRequest
-from batching.items import BatchIds, SealedBatch, Ticket, item_of, parse_item
-from batching.join import join, join_cached
+from batching.items import BatchIds, Joined, SealedBatch, Ticket, item_of, parse_item
+from batching.join import ItemsCall, join, join_items
 from batching.keys import LaneKeys, QueueKeys, ShardKeys, shard_tags, tag_of
 from batching.lanes import HOLD_DEADLINE_FRACTION, SCRIPT_CONSTANTS
 from batching.policy import MAX_BATCH_SIZE, Policy
@@ -91,7 +90,7 @@ ADMISSION_REFRESH_S = 0.01
 APPEND_ATTEMPTS = 8
 # The scripts of batching/lua/ the aggregator runs (the clock's and the heartbeat's are
 # batching.clock's and batching.registry's).
-SCRIPTS = ("close", "seal", "take_due", "admission", "cached_append")
+SCRIPTS = ("close", "seal", "take_due", "admission", "append_items")
 
 
 def batch_ttl_ms(deadline_ms: int) -> int:
@@ -182,7 +181,6 @@ class BatchAggregator:
         *,
         key_id: int = 0,
         counter: RateCounter | None = None,
-        cache: str = "",
         lane: int = 0,
         now_ms: int | None = None,
     ) -> Ticket:
@@ -197,12 +195,7 @@ class BatchAggregator:
 
         A keyed request names its key (`key_id`, for the workers' token charges) and, when
         the key has a request rate limit, the counter its MULTI raises (`counter`, on the
-        shard's slot: see `shard_of_key`); the ticket carries the count after it.
-
-        A request the response cache may answer names its digest (`cache`, batching.cache):
-        its one call (a script, then) returns the cached answer when there is one, in the
-        ticket, and joins no batch; else it joins as any request, and the worker caches its
-        answer."""
+        shard's slot: see `shard_of_key`); the ticket carries the count after it."""
         index = (next(self._turn) if shard is None else shard) % len(self.shards)
         keys = self.shards[index]
         lane_keys = LaneKeys.of(keys, lane)
@@ -215,11 +208,11 @@ class BatchAggregator:
             candidate = keys.batch_id(self._ids.next())
             read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
             pointer = f"{candidate} {redis_ms} {self.max_batch_size}"
-            item = item_of(redis_ms + int(budget_ms), prompt, key_id, cache)
-            replies = self._send(keys, lane_keys, cache, pointer, item, read_admission, counter)
-            if isinstance(replies, Ticket):  # answered from the response cache
-                return replies
-            joined, length, *more = replies
+            item = item_of(redis_ms + int(budget_ms), prompt, key_id)
+            joined, length, *more = join(
+                self.client, self._cluster, lane_keys, pointer, item, self.ttl_ms,
+                read_admission, counter,
+            )  # fmt: skip
             if read_admission:
                 seen = self._admission_seen[index, lane] = (float(more.pop(0) or 0), now_s)
             counted = int(more[0]) if counter is not None else 0
@@ -243,31 +236,46 @@ class BatchAggregator:
             seen = self._admission_seen[index, keys.lane] = (figure, now_s)
         return seen
 
-    def _send(
+    def append_items(
         self,
-        keys: ShardKeys,
-        lane_keys: LaneKeys,
-        cache: str,
-        pointer: str,
-        item: str,
-        read_admission: bool,
-        counter: RateCounter | None,
-    ) -> list[Any] | Ticket:
-        """The append's round trip: what `join` returns, or the ticket of a request answered
-        from the response cache."""
-        if not cache:
-            return join(
-                self.client, self._cluster, lane_keys, pointer, item, self.ttl_ms,
-                read_admission, counter,
-            )  # fmt: skip
-        hit, *more = join_cached(
-            self._scripts["cached_append"], keys.cached(cache), lane_keys, pointer, item,
-            self.ttl_ms, read_admission, counter,
+        items: Sequence[tuple[str, str | SampleRequest]],
+        budget_ms: int,
+        shard: int | None = None,
+        *,
+        key_id: int = 0,
+        counter: RateCounter | None = None,
+        cost: int = 1,
+        limit: int = 0,
+        version: int = 0,
+        lane: int = 0,
+        now_ms: int | None = None,
+    ) -> Joined:
+        """A request's items (with their response cache digests, "" for none) appended in one
+        round trip by batching/lua/append_items.lua (its cache answers of policy `version`);
+        with `limit`, refused, nothing appended, if raising the counter by `cost` passes it."""
+        index = (next(self._turn) if shard is None else shard) % len(self.shards)
+        keys = self.shards[index]
+        lane_keys = LaneKeys.of(keys, lane)
+        now_s = self._monotonic()
+        seen = self._admission_figure(index, lane_keys, budget_ms, now_s)
+        if seen[0] > 0 and seen[0] > budget_ms:
+            rejected = Ticket("", -1, False, True, int(seen[0]), lane=lane)
+            return Joined([rejected] * len(items))
+        redis_ms = self.clock.now_ms(keys, now_s) if now_ms is None else now_ms
+        deadline_ms = redis_ms + int(budget_ms)
+        read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
+        call = ItemsCall(
+            keys.batch_id(self._ids.next()), redis_ms, self.max_batch_size, self.ttl_ms,
+            read_admission, counter, cost, limit, version, "" if now_ms is None else str(now_ms),
         )  # fmt: skip
-        if hit:
-            counted = int(more[1]) if counter is not None else 0
-            return Ticket("", -1, False, counted=counted, cached=more[0], lane=lane_keys.lane)
-        return more
+        listed = [(digest, item_of(deadline_ms, item, key_id, digest)) for digest, item in items]
+        reply = join_items(self._scripts["append_items"], keys, lane_keys, call, listed,
+                           DISPATCH_GRACE_MS)  # fmt: skip
+        if reply[0] == -1:
+            return Joined([], int(reply[1]), limited=True)
+        if read_admission:
+            self._admission_seen[index, lane] = (float(reply[1] or 0), now_s)
+        return Joined.of_reply(reply, lane)
 
     def _batch_joined(self, joined: bytes | None, candidate: str) -> tuple[str, int, bool]:
         """The batch an append joined, its maximum size, and whether the append opened it,
@@ -285,6 +293,12 @@ class BatchAggregator:
         for digest, answer in answers.items():
             for keys in self.shards:
                 pipe.set(keys.cached(digest), answer, px=ttl_ms)
+
+    def queue_cache_version(self, pipe: redis.client.Pipeline, version: int) -> None:
+        """Queue on `pipe` the policy version this worker runs, on every shard (its heartbeat,
+        before it reports the version): the response cache serves no answer of an older one."""
+        for keys in self.shards:
+            pipe.set(keys.cache_version, version, px=HEARTBEAT_TIMEOUT_MS)
 
     def open_batch_id(self, shard: int = 0, lane: int = 0) -> str | None:
         """The id of the batch a request of `lane` on `shard` would join now (None: it would

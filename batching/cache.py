@@ -5,8 +5,16 @@ seeded: an identical request (same model, same prompt or messages, every generat
 as resolved against the queue's policy, same endpoint shape) gets exactly the completion the
 first one was sampled, from Redis, without a GPU. The web process decides, from its copy of
 the policy (`response_cache`, off by default); the request's one Redis call looks the digest
-up (batching.aggregator, `append` with `cache`), and the worker that samples a miss stores its
-answer for `response_cache_ttl_s` (workers.runner).
+up (batching.aggregator, `append_items`), and the worker that samples a miss stores its
+answer for `response_cache_ttl_s` (workers.runner) under the digest of what it ran: its own
+policy (settings and version), whatever the web process's copy said.
+
+Entries are scoped per API key (anonymous requests share one scope): another key's identical
+request is a miss, so the cache tells no tenant what another asked. `response_cache_shared`
+shares them across keys; it reveals, by `x-cache: hit` and a fast answer, that some key sent
+the same request within the TTL. An entry names its policy version, and a lookup finds none
+of a version older than the workers' (their heartbeats set it on every shard): once every
+live worker runs a new policy, no answer sampled under an older one is served.
 
 Django- and model-free.
 """
@@ -33,9 +41,12 @@ def cacheable(settings: RowSettings) -> bool:
     return settings.greedy or settings.seed is not None
 
 
-def digest_of(queue: str, item: str | SampleRequest, policy: Policy) -> str:
-    """The cache's name of the item's answer: "" when the cache is off or the item's output
-    is not determined by its input."""
+def digest_of(queue: str, item: str | SampleRequest, policy: Policy, key_id: int = 0) -> str:
+    """The cache's name of the item's answer under `policy` for API key `key_id` (0:
+    anonymous): "" when the cache is off or the item's output is not determined by its input.
+    What determines the output is in it: the queue (its model), the policy's version, the
+    endpoint's shape, the prompt and every resolved setting; and the key, unless the policy
+    shares answers across keys (`response_cache_shared`)."""
     if not policy.response_cache:
         return ""
     settings = settings_of(item, policy)
@@ -43,5 +54,8 @@ def digest_of(queue: str, item: str | SampleRequest, policy: Policy) -> str:
         return ""
     # /sample's answer (the text) and the API's (text, finish reason, tokens) differ in shape.
     shape, text = ("sample", item) if isinstance(item, str) else ("api", item.to_json())
-    canonical = json.dumps([queue, shape, text, asdict(settings)], sort_keys=True)
+    scope = "shared" if policy.response_cache_shared else key_id
+    canonical = json.dumps(
+        [queue, policy.version, scope, shape, text, asdict(settings)], sort_keys=True
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from batching.generation import SampleRequest
 
@@ -24,6 +25,28 @@ class Ticket:
     counted: int = 0  # the rate counter after this request (0: none was raised)
     cached: bytes | None = None  # the answer from the response cache (no batch joined)
     lane: int = 0  # the lane (tier priority) of the batch joined
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A request's items appended in one call (BatchAggregator.append_items): a ticket per
+    item, and its rate counter after the request's raise (0: none raised); or `limited`, the
+    request refused by its key's limit (nothing appended), with the counter it found."""
+
+    tickets: list[Ticket]
+    counted: int = 0
+    limited: bool = False
+
+    @staticmethod
+    def of_reply(reply: list[Any], lane: int) -> Joined:
+        """The tickets of append_items.lua's reply (four values an item after two)."""
+        counted = int(reply[0])
+        fields = [iter(reply[2:])] * 4
+        tickets = []
+        for bid, at, opener, cached in zip(*fields, strict=True):
+            ticket = Ticket(bid.decode(), int(at), bool(opener), counted=counted, lane=lane)
+            tickets.append(replace(ticket, cached=cached) if cached else ticket)
+        return Joined(tickets, counted)
 
 
 @dataclass(frozen=True)

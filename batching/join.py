@@ -2,15 +2,19 @@
 Lua call costs a Redis core several times more), SET NX GET of the open pointer (the batch
 joined, or this request's new one), RPUSH of the item, now and then HGET of the admission
 figure, and the INCR of a rate counter. Sent by hand on a pooled connection, or through a
-cluster client's pipeline, which routes it to the shard's master."""
+cluster client's pipeline, which routes it to the shard's master. A request of several items,
+one the response cache may answer, or one near its key's request limit joins by one script
+call instead (`join_items`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from batching.keys import LaneKeys
+from batching.keys import LaneKeys, ShardKeys
 from batching.ratelimit import RateCounter
 
 
@@ -94,27 +98,48 @@ def _join_packed(
     return list(replies)
 
 
-def join_cached(
+@dataclass(frozen=True)
+class ItemsCall:
+    """What `join_items` sends besides the items: the batches this request would open (id
+    prefix, opening time, maximum size), the rate counter and its limit (0: none), and the
+    caller's policy version (the response cache's check)."""
+
+    id_prefix: str
+    redis_ms: int
+    max_size: int
+    ttl_ms: int
+    read_admission: bool
+    counter: RateCounter | None
+    cost: int
+    limit: int
+    version: int
+    clock: str = ""  # a set time (tests), or "" for the node's
+
+
+def join_items(
     script: Any,
-    cached_key: str,
+    shard: ShardKeys,
     keys: LaneKeys,
-    pointer: str,
-    item: str,
-    ttl_ms: int,
-    read_admission: bool,
-    counter: RateCounter | None,
+    call: ItemsCall,
+    items: Sequence[tuple[str, str]],
+    grace_ms: int,
 ) -> list[Any]:
-    """The append of a request the response cache may answer, by the script
-    `cached_append` (batching/lua/cached_append.lua): [1, the cached answer, (the rate
-    counter)], or [0, then what `join` returns]."""
-    script_keys = [cached_key, keys.open_batch, keys.pending, keys.admission]
+    """Every item (digest, item) of a request appended, or answered from the response cache,
+    by one call of the script `append_items` (batching/lua/append_items.lua): what it
+    returns."""
+    script_keys = [
+        keys.open_batch, keys.pending, keys.unsealed, shard.handover_due, keys.admission,
+        shard.sent, shard.lanes, shard.cache_version,
+    ]  # fmt: skip
+    counter = call.counter
     if counter is not None:
         script_keys.append(counter.key)
-    args = [
-        pointer,
-        item,
-        ttl_ms,
-        keys.predicted if read_admission else "",
-        counter.expire_ms if counter else 0,
-    ]
+    args: list[str | int] = [
+        call.id_prefix, call.redis_ms, call.max_size, call.ttl_ms,
+        keys.predicted if call.read_admission else "", call.cost, call.limit,
+        counter.expire_ms if counter else 0, call.version, shard.prefix, shard.batch_prefix,
+        grace_ms, keys.lane, call.clock,
+    ]  # fmt: skip
+    for digest, item in items:
+        args += [digest, item]
     return list(script(keys=script_keys, args=args))

@@ -232,6 +232,12 @@ class ShardKeys:
         finds it on its own slot."""
         return f"{self.prefix}:cache:{digest}"
 
+    @cached_property
+    def cache_version(self) -> str:
+        """The policy version the queue's workers run, as their heartbeats last set it: a
+        cached answer of an older version is not served (batching/lua/append_items.lua)."""
+        return f"{self.prefix}:cache_version"
+
     def requests_counter(self, key_id: int, window: int) -> str:
         """The count of API key `key_id`'s requests in rate window `window` (minutes since the
         epoch), raised by the request's own append: a keyed request joins the shard its key

@@ -96,6 +96,9 @@ class Policy:
     # completion of an identical earlier one, for this long after it was sampled.
     response_cache: bool = False
     response_cache_ttl_s: int = 300
+    # Share cached answers across API keys (off: each key has its own). On, a key can learn
+    # that another sent the same request within the TTL (x-cache: hit, a fast answer).
+    response_cache_shared: bool = False
     version: int = 0  # 0: the environment's defaults, never published
 
     def problems(self) -> list[str]:
@@ -145,6 +148,7 @@ SETTING_NAMES = {
     "fill_target_percent": "SAMPLING_FILL_TARGET_PERCENT",
     "response_cache": "SAMPLING_RESPONSE_CACHE",
     "response_cache_ttl_s": "SAMPLING_RESPONSE_CACHE_TTL_S",
+    "response_cache_shared": "SAMPLING_RESPONSE_CACHE_SHARED",
 }
 
 

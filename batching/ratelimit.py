@@ -2,13 +2,24 @@
 
 Both count in fixed one-minute windows (minutes since the epoch, in Redis), per API key.
 
-Requests are counted by the request's own Redis call: a keyed request joins the shard its
-key is pinned to (BatchAggregator.shard_of_key) and its append's MULTI raises the window's
-counter (INCR), so the limit costs no round trip and no Lua. A process refuses a request
-itself, before any Redis call, once a count it read reached the limit, until the window ends.
-Another process learns the count from its own next append, whose request is in its batch
-already: a key exceeds its limit by at most one request per web process, and a 429 costs
+Requests are counted by the request's own Redis call, and the limit is exact: at most `rpm`
+requests of a key are served in a window, whatever the number of web processes. A keyed
+request joins the shard its key is pinned to (BatchAggregator.shard_of_key), where its
+window's counter lives. Far from the limit (the count this process last read, plus the
+request, is within NEAR_FRACTION of it), a lone item's append MULTI raises the counter (INCR):
+no extra round trip and no Lua, as before. Should that raise pass the limit (other processes
+counted meanwhile), the request is refused all the same (429) and its raise given back
+(DECRBY): only a request whose own raise kept the count within the limit is served; its item,
+already in a batch, is sampled and not delivered (at most about one per process and window).
+Near the limit, and for a request of several items or one the response cache may answer, the
+request's one call is a script (batching/lua/append_items.lua) that raises the counter only
+if the request fits, and else appends nothing. A process refuses a request itself, before
+any Redis call, once a count it read reached the limit, until the window ends: a 429 costs
 nothing.
+
+A request counts once against `rpm` whatever its number of items (n choices, a list of
+prompts), as OpenAI counts requests; with SAMPLING_RATE_LIMIT_PER_ITEM (`COUNT_ITEMS`) each
+item counts one, and a request whose items do not all fit is refused whole.
 
 Tokens are known only once sampled: the workers charge each batch's completion tokens to
 the keys of its items when the batch finishes (`queue_token_charges`, in the batch's report).
@@ -22,6 +33,7 @@ nothing of Django.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -32,7 +44,15 @@ import redis
 from batching.access import KEYS, Caller
 from batching.keys import AccessKeys, ShardKeys
 
+log = logging.getLogger(__name__)
+
 WINDOW_S = 60
+# A process whose last read count of a key, plus the request, is above this fraction of the
+# key's rpm asks Redis whether the request fits before it joins a batch (one script call).
+NEAR_FRACTION = 0.75
+# Whether each item of a request counts against rpm (SAMPLING_RATE_LIMIT_PER_ITEM), or each
+# request once (the default, as OpenAI counts).
+COUNT_ITEMS = False
 # A window's counters outlive it by one window: the next window's refusals need only their own.
 COUNTER_TTL_MS = 2 * WINDOW_S * 1000
 
@@ -75,9 +95,12 @@ class Limited:
 class RateLimiter:
     """One web process's view of its callers' rate windows."""
 
-    def __init__(self, client: redis.Redis, keys: AccessKeys = KEYS) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: AccessKeys = KEYS, *, count_items: bool = COUNT_ITEMS
+    ) -> None:
         self.client = client
         self.keys = keys
+        self.count_items = count_items
         # key id -> (window, the highest request count this process saw in it)
         self._requests: dict[int, tuple[int, int]] = {}
         # (key id, window) whose counter this process has set to expire
@@ -98,6 +121,34 @@ class RateLimiter:
         if caller.tpm and self._tokens_seen(caller.key_id, window) >= caller.tpm:
             return Limited("tokens", caller.tpm, retry)
         return None
+
+    def cost(self, caller: Caller, items: int) -> int:
+        """What a request of `items` items adds to its key's request counter."""
+        return items if self.count_items else 1
+
+    def near(self, caller: Caller, cost: int, now_s: float) -> bool:
+        """Whether the caller's request (adding `cost`) may pass its request limit, from the
+        count this process read last: then Redis decides before the request joins a batch."""
+        if not caller.rpm:
+            return False
+        return self._requests_seen(caller.key_id, window_of(now_s)) + cost > (
+            caller.rpm * NEAR_FRACTION
+        )
+
+    def refused(self, caller: Caller, count: int, now_s: float) -> Limited:
+        """The refusal of a request that did not fit its key's request limit, where `count` is
+        the counter as it found it (this process refuses by itself once that reached the
+        limit)."""
+        self.counted(caller, count, now_s, expiry_set=False)
+        return Limited("requests", caller.rpm, max(1, math.ceil(reset_in_s(now_s))))
+
+    def give_back(self, counter: str, cost: int) -> None:
+        """Undo the raise of a request refused after it (best effort: a count left too high
+        refuses, never serves, too much)."""
+        try:
+            self.client.decrby(counter, cost)
+        except redis.RedisError as exc:
+            log.warning("a refused request's count not given back: %s", exc)
 
     def counter(self, caller: Caller, shard: ShardKeys, now_s: float | None = None) -> str | None:
         """The request counter the caller's append raises (None: no request limit)."""

@@ -14,6 +14,7 @@ import dj_database_url
 import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
+from batching import ratelimit
 from batching.keys import MAX_SHARDS
 from batching.policy import BOUNDS, Policy
 from batching.protocol import PRIORITY_STEPS
@@ -258,6 +259,12 @@ SAMPLING_FILL_TARGET_PERCENT = _policy_int("SAMPLING_FILL_TARGET_PERCENT", "fill
 # The response cache (off by default) and how long a cached completion is served.
 SAMPLING_RESPONSE_CACHE = env_bool("SAMPLING_RESPONSE_CACHE", _DEFAULT_POLICY.response_cache)
 SAMPLING_RESPONSE_CACHE_TTL_S = _policy_int("SAMPLING_RESPONSE_CACHE_TTL_S", "response_cache_ttl_s")
+SAMPLING_RESPONSE_CACHE_SHARED = env_bool(
+    "SAMPLING_RESPONSE_CACHE_SHARED", _DEFAULT_POLICY.response_cache_shared
+)
+# On: each item of a request (each of `n` choices, each prompt of a list) counts one against
+# its key's requests per minute; off (the default, as OpenAI counts): each request counts one.
+SAMPLING_RATE_LIMIT_PER_ITEM = env_bool("SAMPLING_RATE_LIMIT_PER_ITEM", ratelimit.COUNT_ITEMS)
 # How long per-minute statistics rows stay in the database.
 SAMPLING_STATS_RETENTION_DAYS = env_int(
     "SAMPLING_STATS_RETENTION_DAYS", 30, minimum=1, maximum=3650

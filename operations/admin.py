@@ -38,7 +38,10 @@ class SamplingPolicyAdmin(admin.ModelAdmin[SamplingPolicy]):
         (None, {"fields": ("queue",)}),
         ("Batching", {"fields": ("max_batch_size", "deadline_ms", "max_prompt_bytes")}),
         ("Generation", {"fields": ("max_new_tokens", "temperature", "top_p", "stop")}),
-        ("Response cache", {"fields": ("response_cache", "response_cache_ttl_s")}),
+        (
+            "Response cache",
+            {"fields": ("response_cache", "response_cache_ttl_s", "response_cache_shared")},
+        ),
         ("Capacity planning", {"fields": ("fill_target_percent",)}),
         ("Audit", {"fields": ("version", "updated_at", "updated_by", "recent_changes")}),
     )

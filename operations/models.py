@@ -126,6 +126,13 @@ class SamplingPolicy(models.Model):
         validators=_bounded("response_cache_ttl_s", "s"),
         help_text="How long a cached completion is served after it was sampled.",
     )
+    response_cache_shared = models.BooleanField(
+        "share the response cache across API keys",
+        default=_default("response_cache_shared"),
+        help_text="Off: each API key has its own cached answers. On: one key's identical "
+        "request is answered from another's, which reveals to it (by x-cache: hit and a fast "
+        "answer) that some key sent that request within the TTL.",
+    )
     version = models.PositiveIntegerField(default=0, editable=False)
     updated_at = models.DateTimeField(auto_now=True)
     updated_by = models.CharField(max_length=150, blank=True, editable=False)

@@ -134,7 +134,7 @@ def web_process() -> WebProcess:
             watcher,
             RequestStats(aggregator.queue),
             AccessWatcher(client, republish=lambda: _republish_access(client)),
-            RateLimiter(client),
+            RateLimiter(client, count_items=settings.SAMPLING_RATE_LIMIT_PER_ITEM),
             Shedder(settings.WEB_MAX_IN_FLIGHT),
         )
         found.start()

@@ -1,12 +1,12 @@
 """A request's items through the batches: join, dispatch, wait. Shared by every endpoint.
 
-Each item joins its shard's open batch with the request's one Redis round trip (one per item:
-a list prompt or `n` choices are several items, each its own row of a batch); the request
-that opened a batch sends its Celery task (by name, task id = batch id) and confirms it; then
-the request waits on each batch's result through the process's shared result listener, with
-what is left of its deadline. What the request gets is every item's answer, or one `Failure`
-that each endpoint words in its own format (plain text on /sample, OpenAI's error JSON on
-/v1, the seed design's JSON on /api/inference).
+A request's items join their shard's open batch with its one Redis round trip (a list prompt
+or `n` choices are several items, each its own row of a batch, appended by one call); the
+request that opened a batch sends its Celery task (by name, task id = batch id) and confirms
+it; then the request waits on each batch's result through the process's shared result
+listener, with what is left of its deadline. What the request gets is every item's answer, or
+one `Failure` that each endpoint words in its own format (plain text on /sample, OpenAI's
+error JSON on /v1, the seed design's JSON on /api/inference).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from batching.access import Caller
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer, to_wire
 from batching.generation import SampleRequest
-from batching.items import Ticket
+from batching.items import Joined, Ticket
 from batching.outcomes import ItemOutcome
 from batching.policy import PolicyWatcher
 from batching.problems import Failure, Problem
 from batching.protocol import RUN_BATCH_TASK, task_priority
-from batching.ratelimit import RateCounter, RateLimiter
+from batching.ratelimit import Limited, RateCounter, RateLimiter
 from batching.results import queue_result
 from batching.stats import RequestStats
 from batching.topology import REDIS_FAULTS
@@ -79,12 +79,14 @@ def submit(
 ) -> Answers | Failure:
     """Every item's answer (each a completion, in order), or why the request gets none.
     `deadline` is monotonic; `deadline_ms` the policy's, for messages. The items of a caller
-    with a request limit join its key's shard, and the first raises its counter
+    with a request limit join its key's shard, and the call raises its counter
     (batching.ratelimit). With the response cache on, an item whose output its input
     determines is looked up in the same call (batching.cache): a hit joins no batch."""
     policy = process.watcher.current
-    digests = [cache.digest_of(process.aggregator.queue, item, policy) for item in items]
-    tickets = _join(process, caller, items, digests, deadline, deadline_ms)
+    queue = process.aggregator.queue
+    digests = [cache.digest_of(queue, item, policy, caller.key_id) for item in items]
+    joining = list(zip(digests, items, strict=True))
+    tickets = _join(process, caller, joining, policy.version, deadline, deadline_ms)
     if isinstance(tickets, Failure):
         return tickets
     answers = Answers()
@@ -109,49 +111,63 @@ def submit(
 def _join(
     process: RequestPath,
     caller: Caller,
-    items: Sequence[str | SampleRequest],
-    digests: list[str],
+    items: list[tuple[str, str | SampleRequest]],
+    version: int,
     deadline: float,
     deadline_ms: int,
 ) -> list[Ticket] | Failure:
-    """Each item appended to its shard's open batch, the batches it opened dispatched."""
+    """Each item (with its cache digest) appended to its shard's open batch in one call, the
+    batches it opened dispatched; or why the request is refused. A lone item of a caller far
+    from its request limit joins by the plain MULTI, every other request by one script call
+    (batching.ratelimit)."""
     aggregator, limiter = process.aggregator, process.limiter
     shard = aggregator.shard_of_key(caller.key_id) if caller.rpm else None
     now_s = time.time()
+    cost = limiter.cost(caller, len(items))
     counter_key = limiter.counter(caller, aggregator.shards[shard or 0], now_s)
     counter = RateCounter(counter_key, limiter.needs_expiry(caller, now_s)) if counter_key else None
-    tickets = []
-    for item, digest in zip(items, digests, strict=True):
-        try:
+    budget_ms = int((deadline - time.monotonic()) * 1000)
+    try:
+        if len(items) == 1 and not items[0][0] and not limiter.near(caller, cost, now_s):
             ticket = aggregator.append(
-                item,
-                int((deadline - time.monotonic()) * 1000),
-                shard,
-                key_id=caller.key_id,
-                counter=counter,
-                cache=digest,
+                items[0][1], budget_ms, shard, key_id=caller.key_id, counter=counter,
                 lane=caller.priority,
-            )
-        except Exception as exc:  # any failure of the join's round trip: a 503
-            # Not only RedisError: redis-py's cluster client raises RedisClusterException
-            # when no master answers, and its pipeline has raised IndexError under load.
-            trace = not isinstance(exc, REDIS_FAULTS)  # Redis away: one line, not a trace
-            log.error("cannot reach Redis to queue a request: %r", exc, exc_info=trace)
-            return unavailable()
-        if ticket.rejected:
-            return Failure(
-                Problem.OVERLOADED,
-                f"overloaded: predicted {ticket.predicted_ms} ms exceeds the {deadline_ms} ms "
-                "deadline",
-                max(1, math.ceil(ticket.predicted_ms / 1000)),
-            )
-        if ticket.counted and counter is not None:
-            limiter.counted(caller, ticket.counted, now_s, expiry_set=bool(counter.expire_ms))
-            counter = None  # one request, one count: its other items join without
+            )  # fmt: skip
+            joined = Joined([ticket], ticket.counted)
+        else:
+            joined = aggregator.append_items(
+                items, budget_ms, shard, key_id=caller.key_id, counter=counter, cost=cost,
+                limit=caller.rpm, version=version, lane=caller.priority,
+            )  # fmt: skip
+    except Exception as exc:  # any failure of the join's round trip: a 503
+        # Not only RedisError: redis-py's cluster client raises RedisClusterException
+        # when no master answers, and its pipeline has raised IndexError under load.
+        trace = not isinstance(exc, REDIS_FAULTS)  # Redis away: one line, not a trace
+        log.error("cannot reach Redis to queue a request: %r", exc, exc_info=trace)
+        return unavailable()
+    if joined.limited:
+        return _limited(limiter.refused(caller, joined.counted, now_s))
+    if joined.tickets[0].rejected:
+        predicted_ms = joined.tickets[0].predicted_ms
+        return Failure(
+            Problem.OVERLOADED,
+            f"overloaded: predicted {predicted_ms} ms exceeds the {deadline_ms} ms deadline",
+            max(1, math.ceil(predicted_ms / 1000)),
+        )
+    if counter is not None and joined.counted:
+        limiter.counted(caller, joined.counted, now_s, expiry_set=bool(counter.expire_ms))
+    for ticket in joined.tickets:
         if ticket.opened and not _dispatch(process, ticket.batch_id, ticket.lane):
             return unavailable()
-        tickets.append(ticket)
-    return tickets
+    if counter is not None and joined.counted > caller.rpm:
+        # The MULTI's raise passed the limit (other processes counted meanwhile): not served.
+        limiter.give_back(counter.key, cost)
+        return _limited(limiter.refused(caller, joined.counted - cost, now_s))
+    return joined.tickets
+
+
+def _limited(limited: Limited) -> Failure:
+    return Failure(Problem.RATE_LIMITED, limited.message, limited.retry_after_s)
 
 
 def _wait(

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import redis
 from celery import current_app, signals
@@ -312,15 +313,27 @@ class SamplingWorker:
     def beat(self) -> None:
         """Liveness (for admission and /readyz), the worker's row of the stats page, its
         alive-seconds (for busy %), its Prometheus metrics, and every shard's admission
-        figures: two round trips, and one per shard."""
+        figures: two round trips, and one per shard (and one more on a cluster)."""
         runner, aggregator = self.runner, self.aggregator
         now = time.time()
         runner.live_workers = max(1, aggregator.workers.heartbeat(runner.worker))
+        info = worker_info(runner, now)
+        # The policy version on every shard before the info reports it: the response cache
+        # serves no answer of an older one once every worker reports a newer.
+        version = cast(int, info["policy_version"])
+        cluster = topology.is_cluster(aggregator.client)
+        if cluster:  # other masters: one away must not keep the heartbeat from the others
+            try:
+                with aggregator.client.pipeline(transaction=False) as pipe:
+                    aggregator.queue_cache_version(pipe, version)
+                    pipe.execute()
+            except redis.RedisError as exc:
+                log.warning("policy version %d not written on every shard: %s", version, exc)
         with aggregator.client.pipeline(transaction=False) as pipe:
+            if not cluster:
+                aggregator.queue_cache_version(pipe, version)
             pipe.set(
-                aggregator.keys.worker_info(runner.worker),
-                json.dumps(worker_info(runner, now)),
-                px=WORKER_INFO_TTL_MS,
+                aggregator.keys.worker_info(runner.worker), json.dumps(info), px=WORKER_INFO_TTL_MS
             )
             stats.add_counts(pipe, aggregator.queue, now, stats.alive_counts(runner.worker))
             runner.metrics.publish(pipe, aggregator.queue, now)

@@ -12,11 +12,11 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import redis
 
-from batching import ratelimit, stats
+from batching import cache, ratelimit, stats
 from batching.admission import AdmissionInputs
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer, WireAnswer, to_wire
@@ -71,6 +71,9 @@ class Turn:
     # the keys' usage, and the completion tokens charged to their token rate windows, when
     # the turn is reported.
     tokens_by_key: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # The policy as the sampler ran it (its generation settings, should it have refused the
+    # policy's): the response cache stores the turn's answers under its digest.
+    ran: Policy | None = None
 
     @property
     def in_order(self) -> list[Answer]:
@@ -220,7 +223,8 @@ class BatchRunner:
         # runs as several calls of at most the new size.
         size = policy.max_batch_size
         chunks = [live[start : start + size] for start in range(0, len(live), size)]
-        return Turn(batch_id, sealed, policy, results, chunks, began)
+        ran = replace(policy, **asdict(self.sampler.generation))
+        return Turn(batch_id, sealed, policy, results, chunks, began, ran=ran)
 
     def admission_inputs(self) -> AdmissionInputs:
         return AdmissionInputs(workers=self.live_workers, turn_ms=self.turn_ms)
@@ -306,6 +310,21 @@ class BatchRunner:
             return Row(self.sampler.render_chat(request.messages), settings, templated=True)
         return Row(request.prompt, settings)
 
+    def _cached_answers(
+        self, items: list[Item], results: list[Answer], policy: Policy
+    ) -> dict[str, str]:
+        """The answers the response cache keeps: sampled ones of the items that asked for it,
+        each under the digest of what this worker ran (its policy, the item's key), not the
+        one its web process computed from its own copy of the policy."""
+        cached = {}
+        for item, answer in zip(items, results, strict=True):
+            if item.cache and answer.outcome == ItemOutcome.OK:
+                asked = item.request if item.request is not None else item.prompt
+                digest = cache.digest_of(self.aggregator.queue, asked, policy, item.key_id)
+                if digest:
+                    cached[digest] = answer.to_json()
+        return cached
+
     def _record(self, turn: Turn, pipe: redis.client.Pipeline | None) -> None:
         batch_id, sealed, policy = turn.batch_id, turn.sealed, turn.policy
         results, sampler_ms, calls = turn.in_order, turn.sampler_ms, len(turn.chunks)
@@ -339,12 +358,7 @@ class BatchRunner:
         )
         statistics.update(stats.token_counts(turn.tokens_by_key))
         charges = {key_id: tokens[1] for key_id, tokens in turn.tokens_by_key.items()}
-        # The answers the response cache keeps: sampled ones of the items that asked for it.
-        cached = {
-            item.cache: answer.to_json()
-            for item, answer in zip(sealed.items, results, strict=True)
-            if item.cache and answer.outcome == ItemOutcome.OK
-        }
+        cached = self._cached_answers(sealed.items, results, turn.ran or policy)
         cache_ttl_ms = policy.response_cache_ttl_s * 1000
         now_s = time.time()
         if pipe is not None:

@@ -14,18 +14,6 @@
 local now = now_ms(ARGV[7])
 local open_bid, opened, max = open_batch(KEYS[1])
 if open_bid ~= ARGV[1] then return 0 end
-local batch_key = ARGV[2] .. open_bid
-redis.call('DEL', KEYS[1])
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('RENAME', KEYS[2], batch_key)
-  redis.call('LTRIM', batch_key, 0, max - 1)
-  redis.call('PEXPIRE', batch_key, tonumber(ARGV[3]))
-end
-redis.call('ZADD', KEYS[3], opened, open_bid)
-if not redis.call('ZSCORE', KEYS[6], open_bid) then
-  redis.call('ZADD', KEYS[4], opened + tonumber(ARGV[4]), open_bid)
-end
-redis.call('ZADD', KEYS[7], now, ARGV[6])
-refresh_admission(ARGV[5], lanes_of(ARGV[5], now, {{LANE_KEEP_TTLS}} * tonumber(ARGV[3])),
-                  KEYS[5], now)
+close_batch(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], open_bid, opened, max,
+            ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6], now)
 return 1

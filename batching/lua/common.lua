@@ -144,3 +144,27 @@ local function take_due(key, prefix, lanes, sent_key, batch_prefix, now, grace, 
   end
   return taken
 end
+
+-- close_batch(open pointer, pending, unsealed, hand-over due, admission, sent, lanes, batch id,
+-- opened ms, max size, batch prefix, ttl ms, grace ms, shard prefix, lane, now): close the
+-- lane's open batch `bid` (the caller checked it is the open one): its first max-size items
+-- move to the batch's own list to wait for the seal (pushes beyond are dropped: their requests
+-- join the next batch), it joins the backlog, and the next request opens a new batch. A batch
+-- whose send is not confirmed yet is due for a hand-over a grace after it opened.
+local function close_batch(open_key, pending_key, unsealed_key, due_key, admission_key, sent_key,
+                           lanes_key, bid, opened, max, batch_prefix, ttl, grace, prefix, lane,
+                           now)
+  local batch_key = batch_prefix .. bid
+  redis.call('DEL', open_key)
+  if redis.call('EXISTS', pending_key) == 1 then
+    redis.call('RENAME', pending_key, batch_key)
+    redis.call('LTRIM', batch_key, 0, max - 1)
+    redis.call('PEXPIRE', batch_key, ttl)
+  end
+  redis.call('ZADD', unsealed_key, opened, bid)
+  if not redis.call('ZSCORE', sent_key, bid) then
+    redis.call('ZADD', due_key, opened + grace, bid)
+  end
+  redis.call('ZADD', lanes_key, now, lane)
+  refresh_admission(prefix, lanes_of(prefix, now, {{LANE_KEEP_TTLS}} * ttl), admission_key, now)
+end

@@ -1,6 +1,7 @@
-"""Rate limits per API key against real processes: 429s exactly at the configured limit
-(within one request per web process), with Retry-After, OpenAI's error and the
-x-ratelimit-* headers; completion tokens charged by the worker refuse the key soon after."""
+"""Rate limits per API key against real processes: 429s exactly at the configured limit,
+whatever the number of web processes, with Retry-After, OpenAI's error and the x-ratelimit-*
+headers; a request's items join in one round trip and count once; completion tokens charged
+by the worker refuse the key soon after."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -23,7 +25,7 @@ from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-WEB_PROCESSES = 2
+WEB_PROCESSES = 4
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +67,8 @@ def test_429_exactly_at_the_request_limit_with_headers_and_retry_after(limited: 
     ]
     statuses = [reply.status for reply in replies]
     served = statuses.count(200)
-    # The first `rpm` are served; after that a process that saw the limit refuses locally,
-    # and a process that had not seen it yet lets one request through (so a 200 may follow
-    # a 429), at most one per process other than the one that counted the limit.
-    assert statuses[:rpm] == [200] * rpm
-    assert set(statuses[rpm:]) <= {200, 429}
-    assert rpm <= served <= rpm + WEB_PROCESSES - 1
+    # Exactly the first `rpm` are served, whichever process each request reached.
+    assert statuses == [200] * rpm + [429] * 6
     remaining = [int(r.headers["x-ratelimit-remaining-requests"]) for r in replies[:rpm]]
     assert remaining == [rpm - n for n in range(1, rpm + 1)]
     for reply in replies:
@@ -81,37 +79,73 @@ def test_429_exactly_at_the_request_limit_with_headers_and_retry_after(limited: 
     assert "rate limit" in refused.body
     assert 1 <= int(refused.headers["retry-after"]) <= ratelimit.WINDOW_S
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
-    # Redis counted the requests that reached a batch, and those only.
+    # Redis counted the requests served, and those only.
     client = redis.Redis.from_url(limited.env["REDIS_URL"])
-    window = ratelimit.window_of(time.time())
-    key_id = _key_id(limited, key)
-    counter = ShardKeys(limited.env["SAMPLING_QUEUE"]).requests_counter(key_id, window)
+    counter = _counter(limited, key)
     assert int(client.get(counter) or 0) == served
     assert 0 < client.pttl(counter) <= ratelimit.COUNTER_TTL_MS
 
-    # The OpenAI client reads the same refusal as its RateLimitError. A process that has not
-    # served the key since the limit was reached may still let one request through.
-    allowance = rpm + WEB_PROCESSES - 1 - served
+    # The OpenAI client reads the same refusal as its RateLimitError, at once.
     client_ = OpenAI(base_url=f"{limited.base_url}/v1", api_key=key, max_retries=0)
-    caught: openai.RateLimitError | None = None
-    for _ in range(allowance + 1):
-        try:
-            client_.completions.create(model=limited.env["SAMPLING_QUEUE"], prompt="x")
-            allowance -= 1
-        except openai.RateLimitError as refused_by_openai:
-            caught = refused_by_openai
-            break
-    assert caught is not None
-    assert caught.code == "rate_limit_exceeded"
-    assert caught.response.headers["retry-after"]
+    with pytest.raises(openai.RateLimitError) as caught:
+        client_.completions.create(model=limited.env["SAMPLING_QUEUE"], prompt="x")
+    assert caught.value.code == "rate_limit_exceeded"
+    assert caught.value.response.headers["retry-after"]
     body = json.dumps({"input": "x"})
-    for _ in range(allowance + 1):
-        reply = request(limited.base_url, "/api/inference", body, headers=bearer(key))
-        if reply.status != 200:
-            break
-        allowance -= 1
+    reply = request(limited.base_url, "/api/inference", body, headers=bearer(key))
     assert (reply.status, json.loads(reply.body)["error"]) == (429, "RATE_LIMITED")
-    assert allowance >= 0
+    assert int(client.get(counter) or 0) == rpm
+
+
+def test_exactly_rpm_served_in_a_window_behind_several_web_processes(limited: Stack) -> None:
+    """Concurrent requests of one key spread over every web process: exactly `rpm` served in
+    the window, every other one a 429 (a process that had not seen the limit used to serve
+    one more)."""
+    rpm = 20
+    key = new_limited_key(limited, "--rpm", str(rpm))
+    fresh_window(30)
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(
+            pool.map(
+                lambda n: sample(limited.base_url, f"E equals {n} ", headers=bearer(key)).status,
+                range(6 * rpm),
+            )
+        )
+    assert statuses.count(200) == rpm
+    assert statuses.count(429) == len(statuses) - rpm
+    client = redis.Redis.from_url(limited.env["REDIS_URL"])
+    assert int(client.get(_counter(limited, key)) or 0) == rpm
+    # Each process refuses the key now: the rest of the window is all 429s.
+    assert {sample(limited.base_url, "x", headers=bearer(key)).status for _ in range(12)} == {429}
+
+
+def test_a_request_of_many_items_joins_in_one_round_trip_and_counts_once(limited: Stack) -> None:
+    """n=100 choices: one Redis call for the request's items (each used to be its own round
+    trip), and one request against rpm (SAMPLING_RATE_LIMIT_PER_ITEM is off by default)."""
+    rpm = 3
+    key = new_limited_key(limited, "--rpm", str(rpm))
+    fresh_window()
+    client = redis.Redis.from_url(limited.env["REDIS_URL"])
+    marker = uuid.uuid4().hex
+    payload = {"model": limited.env["SAMPLING_QUEUE"], "prompt": marker, "n": 100, "max_tokens": 2}
+    with client.monitor() as monitor:
+        reply = request(limited.base_url, "/v1/completions", json.dumps(payload),
+                        headers=bearer(key))  # fmt: skip
+        # The command stream up to a command sent after the request's.
+        client.set(f"test:{marker}:end", 1, px=1000)
+        calls = []
+        for command in monitor.listen():
+            if f"test:{marker}:end" in command["command"]:
+                break
+            # A call the web process sent carries the prompt (not a script's inner commands).
+            if marker in command["command"] and command.get("client_type") != "lua":
+                calls.append(command["command"].split(" ")[0])
+    assert reply.status == 200, reply.body
+    assert len(json.loads(reply.body)["choices"]) == 100
+    assert calls == ["EVALSHA"]
+    assert int(client.get(_counter(limited, key)) or 0) == 1
+    statuses = [sample(limited.base_url, "E equals ", headers=bearer(key)).status for _ in range(3)]
+    assert statuses == [200, 200, 429]
 
 
 def test_completion_tokens_charged_by_the_worker_refuse_the_key(limited: Stack) -> None:
@@ -154,6 +188,12 @@ def test_a_key_without_limits_gets_no_rate_headers(limited: Stack) -> None:
     reply = sample(limited.base_url, "E equals ", headers=bearer(key))
     assert reply.status == 200
     assert not [name for name in reply.headers if name.startswith("x-ratelimit")]
+
+
+def _counter(stack: Stack, key: str) -> str:
+    """The key's request counter of the current window."""
+    window = ratelimit.window_of(time.time())
+    return ShardKeys(stack.env["SAMPLING_QUEUE"]).requests_counter(_key_id(stack, key), window)
 
 
 def _key_id(stack: Stack, key: str) -> int:

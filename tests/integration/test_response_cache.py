@@ -5,19 +5,26 @@ answered from Redis with exactly the first one's completion, no batch sampled fo
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from batching import stats
+from batching import policy, stats
 from batching.aggregator import BatchAggregator
+from batching.keys import QueueKeys
+from batching.registry import HEARTBEAT_TIMEOUT_MS, WorkerRegistry
 from inference_site.lib.stack import Stack
+from tests.support import ADMIN_PASSWORD, ADMIN_USER
+from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample
+from tests.support.keys import bearer, create_key
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -103,3 +110,152 @@ def test_an_identical_request_is_answered_from_the_cache_exactly(cached: Stack) 
         return (now[0] - stats_before[0], now[1] - stats_before[1]) == (hits, misses)
 
     wait_until(in_stats, 5, "the lookups counted in the statistics")
+
+
+def completion(stack: Stack, prompt: str, key: str | None = None) -> tuple[str, str]:
+    """A greedy /v1/completions of `prompt` (the policy's max tokens): (x-cache, its text), or
+    (its status, its body) when it is not a 200."""
+    body = json.dumps({"model": stack.env["SAMPLING_QUEUE"], "prompt": prompt})
+    reply = request(stack.base_url, "/v1/completions", body, headers=bearer(key) if key else {})
+    if reply.status != 200:
+        return str(reply.status), reply.body
+    return reply.headers["x-cache"], json.loads(reply.body)["choices"][0]["text"]
+
+
+def known_key(stack: Stack) -> str:
+    """A new API key, once every web process knows it (with keys optional, an unknown key is
+    served as anonymous): a key with a request limit gets its x-ratelimit-* headers, on a 400
+    too."""
+    key = create_key(stack, f"tenant {uuid.uuid4().hex[:6]}", "--rpm", "100000")
+
+    def known_everywhere() -> bool:
+        return all(
+            "x-ratelimit-limit-requests"
+            in request(stack.base_url, "/v1/completions", "{}", headers=bearer(key)).headers
+            for _ in range(8)
+        )
+
+    wait_until(known_everywhere, 5, "the key known to every web process")
+    return key
+
+
+def test_another_keys_identical_request_is_a_miss_unless_the_policy_shares(
+    cached: Stack, admin: AdminSession
+) -> None:
+    key_a, key_b = (known_key(cached) for _ in range(2))
+    prompt = f"E equals {uuid.uuid4().hex[:8]} "
+    assert completion(cached, prompt, key_a)[0] == "miss"
+    assert completion(cached, prompt, key_a)[0] == "hit"
+    # Key B learns nothing of what key A asked: its own entry, sampled for it.
+    assert completion(cached, prompt, key_b)[0] == "miss"
+    assert completion(cached, prompt, key_b)[0] == "hit"
+    assert completion(cached, prompt)[0] == "miss"  # anonymous requests are a scope of their own
+    # Shared by the policy: one key's request is answered from another's.
+    version = save_policy(cached, admin, response_cache_shared="on")
+    try:
+        wait_until(lambda: workers_report(cached, version), 10, "the workers' new policy")
+        shared = f"E equals {uuid.uuid4().hex[:8]} "
+        wait_until(lambda: completion(cached, shared, key_a)[0] == "hit", 5, "key A's entry")
+        assert completion(cached, shared, key_b)[0] == "hit"
+    finally:
+        delete_policy(cached, admin)
+
+
+@pytest.fixture(scope="module")
+def admin(cached: Stack) -> AdminSession:
+    session = AdminSession(cached.base_url)
+    session.login(ADMIN_USER, ADMIN_PASSWORD)
+    return session
+
+
+POLICIES = "/admin/sampling/samplingpolicy/"
+
+
+def save_policy(stack: Stack, admin: AdminSession, **changes: str) -> int:
+    """Save the queue's policy in the admin, as an operator does (the row added, then
+    changed); the version it published."""
+    queue = stack.env["SAMPLING_QUEUE"]
+    row = re.search(rf'samplingpolicy/(\d+)/change/">{re.escape(queue)}<', admin.get(POLICIES)[1])
+    fields = {
+        "queue": queue, "max_batch_size": "100", "deadline_ms": "500",
+        "max_prompt_bytes": "8192", "max_new_tokens": "32", "temperature": "0", "top_p": "1",
+        "stop": "", "fill_target_percent": "90", "response_cache": "on",
+        "response_cache_ttl_s": "300", **changes,
+    }  # fmt: skip
+    fields = {name: value for name, value in fields.items() if value != "off"}
+    path = f"{POLICIES}{row.group(1)}/change/" if row else f"{POLICIES}add/"
+    status, url, page = admin.post_form(path, fields)
+    assert (status, url) == (200, stack.base_url + POLICIES), page
+    raw = redis.Redis.from_url(stack.env["REDIS_URL"]).get(QueueKeys(queue).policy)
+    assert raw is not None
+    return policy.Policy.from_json(raw).version
+
+
+def delete_policy(stack: Stack, admin: AdminSession) -> None:
+    """Back to the environment's policy for the other tests of this module."""
+    queue = stack.env["SAMPLING_QUEUE"]
+    row = re.search(rf'samplingpolicy/(\d+)/change/">{re.escape(queue)}<', admin.get(POLICIES)[1])
+    if row:
+        status, url, _ = admin.post_form(f"{POLICIES}{row.group(1)}/delete/", {"post": "yes"})
+        assert (status, url) == (200, stack.base_url + POLICIES)
+
+
+def workers_report(stack: Stack, version: int) -> bool:
+    """Every live worker of the stack reports `version` in its heartbeat."""
+    registry = WorkerRegistry(
+        redis.Redis.from_url(stack.env["REDIS_URL"]), QueueKeys(stack.env["SAMPLING_QUEUE"])
+    )
+    since = time.time() - HEARTBEAT_TIMEOUT_MS / 1000
+    infos = [info for _, info in registry.infos(since) if info.get("heartbeat_at", 0) >= since]
+    return bool(infos) and all(info.get("policy_version") == version for info in infos)
+
+
+Served = list[tuple[float, str, str, str]]  # (sent at, prompt, x-cache, text)
+
+
+def hits_after_a_change(
+    stack: Stack, admin: AdminSession, prompt: str, served: Served, words: int
+) -> list[str]:
+    """Once traffic of `prompt` hits entries of the current policy, publish one of `words`
+    max tokens; the texts of the hits of requests sent after every live worker reported it."""
+    wait_until(lambda: any(p == prompt and c == "hit" for _, p, c, _ in served[-8:]), 5)
+    version = save_policy(stack, admin, max_new_tokens=str(words))
+    wait_until(lambda: workers_report(stack, version), 10, "the new policy")
+    reported = time.monotonic()
+    wait_until(lambda: sum(s > reported for s, *_ in served) >= 40, 10)
+    return [
+        text
+        for sent, p, cache_result, text in list(served)
+        if sent > reported and p == prompt and cache_result == "hit"
+    ]
+
+
+def test_no_answer_of_the_old_policy_is_served_once_every_worker_reports_the_new(
+    cached: Stack, admin: AdminSession
+) -> None:
+    """Under traffic of identical requests, the policy's max tokens changes (2 words, then 3,
+    ...): once every live worker's heartbeat reports the new version, no hit carries an answer
+    sampled under the old one (a worker used to store what it sampled under the digest of the
+    web process's newer policy, and web processes served entries of their older one)."""
+    current = {"prompt": f"E equals {uuid.uuid4().hex[:8]} ", "stop": False}
+    served: Served = []
+
+    def traffic() -> None:
+        while not current["stop"]:
+            prompt, sent = str(current["prompt"]), time.monotonic()
+            served.append((sent, prompt, *completion(cached, prompt)))
+
+    with ThreadPoolExecutor(4) as pool:
+        try:
+            for _ in range(4):
+                pool.submit(traffic)
+            for turn in range(6):
+                words = 2 + turn % 2
+                prompt = current["prompt"] = f"E equals {uuid.uuid4().hex[:8]} "
+                hits = hits_after_a_change(cached, admin, prompt, served, words)
+                assert hits, "no hit after the workers reported the new policy"
+                assert {len(text.split()) for text in hits} == {words}, (turn, hits)
+        finally:
+            current["stop"] = True
+            delete_policy(cached, admin)
+    assert {cache_result for _, _, cache_result, _ in served} == {"hit", "miss"}

@@ -101,3 +101,25 @@ def test_token_charges_refuse_the_key_once_read(redis_client: redis.Redis) -> No
     assert limiter.headers(limited, now)["x-ratelimit-remaining-tokens"] == "0"
     charges = redis_client.hgetall(keys.tokens(ratelimit.window_of(now)))
     assert charges == {b"42": b"100", b"0": b"5"}
+
+
+def test_a_request_counts_once_or_per_item_as_the_operator_chooses(
+    redis_client: redis.Redis,
+) -> None:
+    limited = caller(rpm=8)
+    per_request = ratelimit.RateLimiter(redis_client)
+    per_item = ratelimit.RateLimiter(redis_client, count_items=True)
+    assert (per_request.cost(limited, 5), per_item.cost(limited, 5)) == (1, 5)
+
+
+def test_a_process_asks_redis_first_only_near_the_limit(redis_client: redis.Redis) -> None:
+    limiter = ratelimit.RateLimiter(redis_client)
+    limited, now = caller(rpm=8), WINDOW_START + 1
+    assert not limiter.near(limited, 1, now)  # nothing read yet: the plain append
+    limiter.counted(limited, 5, now, expiry_set=False)
+    assert not limiter.near(limited, 1, now)  # 6 of 8 is within NEAR_FRACTION
+    assert limiter.near(limited, 2, now)
+    assert not limiter.near(caller(), 100, now)  # no request limit
+    refusal = limiter.refused(limited, 8, now)
+    assert (refusal.kind, refusal.limit) == ("requests", 8)
+    assert limiter.check(limited, now) is not None  # refused locally from now on

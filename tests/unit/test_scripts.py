@@ -20,7 +20,7 @@ SCRIPT_NAMES = sorted(path.stem for path in scripts.LUA_DIR.glob("*.lua") if pat
 
 def test_every_script_is_known() -> None:
     assert SCRIPT_NAMES == [
-        "admission", "cached_append", "claim_name", "clock", "close", "heartbeat", "publish",
+        "admission", "append_items", "claim_name", "clock", "close", "heartbeat", "publish",
         "seal", "take_due",
     ]  # fmt: skip
 
