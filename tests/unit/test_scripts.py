@@ -19,8 +19,8 @@ SCRIPT_NAMES = sorted(path.stem for path in scripts.LUA_DIR.glob("*.lua") if pat
 
 def test_every_script_is_known() -> None:
     assert SCRIPT_NAMES == [
-        "admission", "cached_append", "clock", "close", "heartbeat", "publish", "seal",
-        "take_due",
+        "admission", "advance_persisted", "cached_append", "clear_dirty", "clock", "close",
+        "flush_stats", "heartbeat", "publish", "seal", "take_due",
     ]  # fmt: skip
 
 
