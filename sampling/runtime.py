@@ -26,7 +26,6 @@ from sampling.shedding import Shedder
 
 log = logging.getLogger(__name__)
 
-STATS_FLUSH_INTERVAL_S = 1.0
 BACKGROUND_JOB_INTERVAL_S = 10.0
 
 # A job run every BACKGROUND_JOB_INTERVAL_S in each web process, off the request path:
@@ -60,7 +59,10 @@ class WebProcess:
 
     def __post_init__(self) -> None:
         self.flush_loop = PeriodicLoop(
-            "stats-flush", self._flush, STATS_FLUSH_INTERVAL_S, "flush the statistics"
+            "stats-flush",
+            self._flush,
+            settings.SAMPLING_STATS_FLUSH_INTERVAL_S,
+            "flush the statistics",
         )
         # Jitter, not a secret: the processes of a node spread their jobs over the interval.
         first_jobs_s = BACKGROUND_JOB_INTERVAL_S * random.random()  # noqa: S311

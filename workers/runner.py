@@ -44,8 +44,9 @@ Result = WireAnswer
 def _answer(item: Item, completion: Completion | PromptRejected) -> Answer:
     if isinstance(completion, PromptRejected):
         return Answer(ItemOutcome.PROMPT_REJECTED, str(completion) or "prompt rejected")
-    if item.request is None:  # a /sample request's answer: the text alone, as ever
+    if item.request is None and not item.key_id:  # an anonymous /sample answer: the text alone
         return Answer(ItemOutcome.OK, completion.text)
+    # An API answer, or a keyed /sample one: with its tokens (what its key is charged for).
     return Answer(
         ItemOutcome.OK,
         completion.text,
@@ -68,8 +69,9 @@ class Turn:
     sampler_ms: float = 0.0
     ended: float = 0.0  # perf_counter when the last call returned
     # API key id (0: anonymous) -> (prompt tokens, completion tokens) of its items sampled:
-    # the keys' usage, and the completion tokens charged to their token rate windows, when
-    # the turn is reported.
+    # the queue's sampled tokens (statistics), and the completion tokens charged to the keys'
+    # token rate windows, when the turn is reported. A key's usage (billing) is what its 200
+    # answers delivered, counted by the web processes (batching/stats.py).
     tokens_by_key: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
@@ -314,7 +316,8 @@ class BatchRunner:
             calls=calls,
             max_batch_size=policy.max_batch_size,
         )
-        statistics.update(stats.token_counts(turn.tokens_by_key))
+        statistics[stats.SAMPLED_PROMPT_TOKENS] = sum(p for p, _ in turn.tokens_by_key.values())
+        statistics[stats.SAMPLED_COMPLETION_TOKENS] = sum(c for _, c in turn.tokens_by_key.values())
         charges = {key_id: tokens[1] for key_id, tokens in turn.tokens_by_key.items()}
         # The answers the response cache keeps: sampled ones of the items that asked for it.
         cached = {
