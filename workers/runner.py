@@ -327,14 +327,17 @@ class BatchRunner:
         }
         cache_ttl_ms = policy.response_cache_ttl_s * 1000
         now_s = time.time()
+        # The statistics' time is the Redis node's (its time at the seal, and the turn since),
+        # as the web processes' flushes are: one clock for every minute, whatever this one says.
+        at_s = sealed.now_ms / 1000 + (time.perf_counter() - turn.began)
         if pipe is not None:
-            self.aggregator.batch_log.queue_record(pipe, json.dumps(record), statistics, now_s)
+            self.aggregator.batch_log.queue_record(pipe, json.dumps(record), statistics, at_s)
             ratelimit.queue_token_charges(pipe, charges, now_s)
             self.aggregator.queue_cached_answers(pipe, cached, cache_ttl_ms)
             return
         try:
             with self.aggregator.client.pipeline(transaction=False) as own:
-                self.aggregator.batch_log.queue_record(own, json.dumps(record), statistics, now_s)
+                self.aggregator.batch_log.queue_record(own, json.dumps(record), statistics, at_s)
                 ratelimit.queue_token_charges(own, charges, now_s)
                 self.aggregator.queue_cached_answers(own, cached, cache_ttl_ms)
                 own.execute()
