@@ -1,14 +1,18 @@
 """The billing rule against real processes (gunicorn, a Celery worker, the `openai` client): a
 key's `/v1/usage` is the sum of the `usage` of the 200 answers it got, exactly, with `n` from
-1 to 5, response-cache hits among them, and its web processes stopped with SIGTERM before
-their periodic flush (their last counts go at exit); then the same in the database's rows."""
+1 to 5, response-cache hits among them, its web processes and worker with clocks 30 s ahead of
+Redis's (Debian's faketime, where installed), and its web processes stopped with SIGTERM
+before their periodic flush (their last counts go at exit); then the same in the database's
+rows."""
 
 from __future__ import annotations
 
 import signal
+import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 
 import psutil
 import pytest
@@ -23,15 +27,19 @@ from tests.support.waiting import wait_until
 pytestmark = pytest.mark.integration
 
 
+# Debian's faketime library (apt-get install faketime): the stack's processes run 30 s ahead.
+FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+SKEW_S = 30
+
+
 @pytest.fixture(scope="module")
 def billed(start_stack: Callable[..., Stack]) -> Stack:
     # The periodic flush an hour apart: only the flush at exit can bring the counts in time.
-    return start_stack(
-        "billed",
-        env={"SAMPLER": "simulated", "SAMPLING_REQUIRE_API_KEY": "1",
-             "SAMPLING_RESPONSE_CACHE": "1", "SAMPLING_STATS_FLUSH_INTERVAL_S": "3600"},
-        web_processes=2,
-    )  # fmt: skip
+    env = {"SAMPLER": "simulated", "SAMPLING_REQUIRE_API_KEY": "1",
+           "SAMPLING_RESPONSE_CACHE": "1", "SAMPLING_STATS_FLUSH_INTERVAL_S": "3600"}  # fmt: skip
+    if FAKETIME.exists():  # the web processes and the worker; Redis keeps the true time
+        env |= {"LD_PRELOAD": str(FAKETIME), "FAKETIME": f"+{SKEW_S}s"}
+    return start_stack("billed", env=env, web_processes=2)
 
 
 def charge(charged: list[int], used: CompletionUsage | None) -> int:
@@ -68,6 +76,8 @@ def test_usage_is_the_sum_of_the_answers_usage_with_n_cache_hits_and_a_sigterm(
                 model=model, prompt=prompts, n=n, max_tokens=1 + n, temperature=0
             )
             hits += charge(charged, answer.usage) > 0
+            if FAKETIME.exists():  # the web process's clock is 30 s ahead
+                assert answer.created >= time.time() + SKEW_S - 5
         # Prompt tokens once per prompt, however many choices.
         one = client.completions.create(model=model, prompt=prompts[0], n=1, temperature=0)
         assert one.usage is not None
