@@ -70,7 +70,24 @@ class QueueKeys:
         return f"{self.tag}:policy"
 
     def stats_bucket(self, granularity_s: int, start_s: int) -> str:
-        return f"{self.tag}:stats:{granularity_s}:{start_s}"
+        return f"{self.stats_prefix}{granularity_s}:{start_s}"
+
+    @cached_property
+    def stats_prefix(self) -> str:
+        """What every statistics bucket's key starts with (the flush script builds them)."""
+        return f"{self.tag}:stats:"
+
+    @cached_property
+    def stats_applied(self) -> str:
+        """A hash: a writer's id -> the sequence of its last flush applied (batching/flush.py):
+        a flush sent again is not counted twice."""
+        return f"{self.tag}:stats:applied"
+
+    @cached_property
+    def dirty_minutes(self) -> str:
+        """A hash: a minute (since the epoch) whose counts changed since it was persisted ->
+        its version (raised by each change): housekeeping writes it again."""
+        return f"{self.tag}:stats:dirty-minutes"
 
     @cached_property
     def persisted_minute(self) -> str:

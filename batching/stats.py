@@ -12,8 +12,12 @@ machines with HINCRBY, so no process needs to know of the others.
 - Each tier's requests (outcome, latency histogram) ride in the same buckets, under fields
   that name the tier (`tier_field`); `tier_counts` splits them out.
 - Usage per API key rides in the same buckets, under fields that name the key
-  (`usage_field`): requests by outcome from the web processes, prompt and completion tokens
-  from the workers. `usage_of` reads them back per key.
+  (`usage_field`), all from the web processes: requests by outcome, and the tokens of the
+  key's 200 answers as each answer's `usage` reported them (the billing rule: a key is charged
+  for what was delivered; prompt tokens once per prompt, those answered from the response
+  cache also counted apart as cached). `usage_of` reads them back per key. Workers count the
+  tokens they sampled per queue (SAMPLED_*): sampled minus delivered is GPU work no client got.
+- A web process's flush is applied once and in Redis's time (batching/flush.py).
 
 Latencies go into fixed buckets 10% wide, so percentiles of any window are computed from the
 summed histogram, accurate to a few percent.
@@ -27,11 +31,12 @@ import bisect
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import redis
 
+from batching import flush as flushing
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 
@@ -40,7 +45,7 @@ LATENCY_BOUNDS_MS: tuple[float, ...] = tuple(round(1.1**k, 3) for k in range(123
 
 SECOND = 1
 TEN_SECONDS = 10
-TTL_S = {SECOND: 15 * 60, TEN_SECONDS: 2 * 3600 + 600}
+TTL_S = {SECOND: flushing.SECOND_TTL_S, TEN_SECONDS: flushing.TEN_SECONDS_TTL_S}
 
 
 # Workers seen in this long stay on the stats page (as stopped or silent) and in /metrics.
@@ -50,10 +55,17 @@ KNOWN_WORKERS_S = 10 * 60
 DEPARTED_STATES = ("stopped", "hung", "unhealthy")
 
 
-# A key's usage fields: "k:<key id>:" then "req:<outcome>", PROMPT_TOKENS or COMPLETION_TOKENS.
+# A key's usage fields: "k:<key id>:" then "req:<outcome>", PROMPT_TOKENS, COMPLETION_TOKENS
+# or CACHED_TOKENS (the prompt tokens of prompts answered from the response cache, a part of
+# PROMPT_TOKENS).
 USAGE_PREFIX = "k:"
 PROMPT_TOKENS = "pt"
 COMPLETION_TOKENS = "ct"
+CACHED_TOKENS = "cpt"
+
+# The queue's tokens the workers sampled (delivered or not): prompt and completion.
+SAMPLED_PROMPT_TOKENS = "sampled:pt"
+SAMPLED_COMPLETION_TOKENS = "sampled:ct"
 
 
 # Items the response cache answered, and items it was asked for but did not hold.
@@ -92,11 +104,13 @@ class Usage:
     requests: Counter[str]
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens: the prompts answered from the response cache
 
     def add(self, other: Usage) -> None:
         self.requests.update(other.requests)
         self.prompt_tokens += other.prompt_tokens
         self.completion_tokens += other.completion_tokens
+        self.cached_tokens += other.cached_tokens
 
 
 def usage_of(counts: Mapping[str, int]) -> dict[int, Usage]:
@@ -111,6 +125,8 @@ def usage_of(counts: Mapping[str, int]) -> dict[int, Usage]:
             usage.prompt_tokens += value
         elif what == COMPLETION_TOKENS:
             usage.completion_tokens += value
+        elif what == CACHED_TOKENS:
+            usage.cached_tokens += value
         elif what.startswith("req:"):
             usage.requests[what[4:]] += value
     return found
@@ -122,7 +138,7 @@ def without_usage(counts: Mapping[str, int]) -> dict[str, int]:
 
 
 def token_counts(tokens_by_key: Mapping[int, tuple[int, int]]) -> dict[str, int]:
-    """A batch's usage fields: key id -> (prompt tokens, completion tokens); anonymous
+    """Usage fields of keys' tokens: key id -> (prompt tokens, completion tokens); anonymous
     requests (key 0) are not a key's usage."""
     counts: dict[str, int] = {}
     for key_id, (prompt, completion) in tokens_by_key.items():
@@ -151,10 +167,13 @@ def add_counts(
 
 
 class RequestStats:
-    """A web process's request counters, per second in memory until the next flush."""
+    """A web process's request counters, per second of its clock in memory until the next
+    flush, then in its Flusher until Redis applied them (once, in Redis's time)."""
 
-    def __init__(self, queue: str) -> None:
+    def __init__(self, queue: str, clock: Callable[[], float] = time.time) -> None:
         self.queue = queue
+        self.clock = clock
+        self.flusher = flushing.Flusher(queue, clock)
         self._lock = threading.Lock()
         self._pending: defaultdict[int, Counter[str]] = defaultdict(Counter)
 
@@ -169,7 +188,7 @@ class RequestStats:
         """The request path's only statistics work: a few dictionary increments (more for a
         request of a tier, and one with an API key: its usage)."""
         latency_ms = latency_s * 1000
-        second = int(time.time() if now is None else now)
+        second = int(self.clock() if now is None else now)
         requests, latency = "req:" + outcome, f"lat:{latency_bucket(latency_ms)}"
         with self._lock:
             counts = self._pending[second]
@@ -184,30 +203,35 @@ class RequestStats:
 
     def record_cache(self, hits: int, misses: int, now: float | None = None) -> None:
         """Items answered from the response cache, and items it was asked for but lacked."""
-        second = int(time.time() if now is None else now)
+        second = int(self.clock() if now is None else now)
         with self._lock:
             counts = self._pending[second]
             counts[CACHE_HITS] += hits
             counts[CACHE_MISSES] += misses
 
+    def record_usage(
+        self, key_id: int, prompt: int, completion: int, cached: int, now: float | None = None
+    ) -> None:
+        """A key's 200 answer's tokens, as its `usage` reported them (`cached`: the prompt
+        tokens of its prompts answered from the response cache, a part of `prompt`)."""
+        if not key_id:
+            return
+        second = int(self.clock() if now is None else now)
+        with self._lock:
+            counts = self._pending[second]
+            counts[usage_field(key_id, PROMPT_TOKENS)] += prompt
+            counts[usage_field(key_id, COMPLETION_TOKENS)] += completion
+            if cached:
+                counts[usage_field(key_id, CACHED_TOKENS)] += cached
+
     def flush(self, client: redis.Redis) -> int:
-        """Write every pending second in one pipeline; returns the number of requests written.
-        On a Redis error the counts are put back, to go with the next flush."""
+        """Send the pending seconds as one flush, with any earlier one Redis has not applied
+        yet; returns the number of requests written. On an error (Redis away:
+        RedisClusterException is no RedisError) the flushes stay, to go again as they are."""
         with self._lock:
             pending, self._pending = self._pending, defaultdict(Counter)
-        if not pending:
-            return 0
-        try:
-            with client.pipeline(transaction=False) as pipe:
-                for second, counts in pending.items():
-                    add_counts(pipe, self.queue, second, counts)
-                pipe.execute()
-        except Exception:  # Redis away (RedisClusterException is no RedisError): kept
-            with self._lock:
-                for second, counts in pending.items():
-                    self._pending[second].update(counts)
-            raise
-        return sum(v for c in pending.values() for k, v in c.items() if k.startswith("req:"))
+        self.flusher.add(pending)
+        return self.flusher.send(client)
 
 
 def batch_counts(

@@ -50,7 +50,11 @@ x-app: &app
 REDIS = """\
   redis:
     image: redis:7-alpine
-    command: ["redis-server", "--save", "", "--appendonly", "no"]
+    # deploy/redis.conf: an append-only file fsynced every second (the usage loss bound).
+    command: ["redis-server", "/usr/local/etc/redis/redis.conf"]
+    volumes:
+      - ./deploy/redis.conf:/usr/local/etc/redis/redis.conf:ro
+      - redis-data:/data
     healthcheck:
       test: ["CMD", "redis-cli", "ping"]
       interval: 2s
@@ -139,7 +143,7 @@ def render(gpus: int) -> str:
         raise ValueError(f"gpus must be 0 or more, not {gpus}")
     workers = [GPU_WORKER.format(gpu=gpu) for gpu in range(gpus)] or [CPU_WORKER]
     services = [REDIS, WEB, NGINX, *workers]
-    volumes = "\nvolumes:\n  web-data:\n"
+    volumes = "\nvolumes:\n  web-data:\n  redis-data:\n"
     return header(gpus) + X_APP + "\nservices:\n" + "\n".join(services) + volumes
 
 

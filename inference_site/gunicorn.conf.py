@@ -55,6 +55,14 @@ def child_exit(server: object, worker: object) -> None:
     multiprocess.mark_process_dead(worker.pid)  # type: ignore[attr-defined]
 
 
+def worker_exit(server: object, worker: object) -> None:
+    """In each web process as it leaves (SIGTERM: after its requests ended): its last counts
+    (the keys' usage among them) flushed to Redis, not lost with it."""
+    from sampling.runtime import flush_on_exit
+
+    flush_on_exit()
+
+
 def post_worker_init(worker: object) -> None:
     """In each web process, after gevent's patching: connect before the first request."""
     from sampling.runtime import warm_up

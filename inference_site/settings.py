@@ -273,6 +273,11 @@ SAMPLING_STATS_RETENTION_DAYS = env_int(
 SAMPLING_USAGE_RETENTION_DAYS = env_int(
     "SAMPLING_USAGE_RETENTION_DAYS", 400, minimum=1, maximum=3650
 )
+# How often a web process flushes its statistics (the keys' usage among them) to Redis: what a
+# web process killed without a SIGTERM (SIGKILL, the machine lost) can lose at most.
+SAMPLING_STATS_FLUSH_INTERVAL_S = env_float(
+    "SAMPLING_STATS_FLUSH_INTERVAL_S", 1.0, minimum=0.1, maximum=3600
+)
 
 # --- Celery (read by inference_site/celery.py with the CELERY_ namespace) ------------------
 # The broker carries one message per batch: REDIS_URL unless set apart. It is never a cluster

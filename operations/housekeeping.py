@@ -7,28 +7,27 @@ sampling.runtime, registered by operations.apps).
    watcher republishes a lost set the moment it notices, batching.access; this catches a
    save that could not publish, and a set without its digest).
 3. Completed minutes of statistics go from Redis to StatsMinute rows, the per-key usage in
-   them to UsageMinute rows, and rows older than SAMPLING_STATS_RETENTION_DAYS (usage:
-   SAMPLING_USAGE_RETENTION_DAYS) are deleted. One process at a time does it (a Redis lock),
-   and a marker in Redis says which minutes are done, so no minute is written twice. The
-   same process copies when each key was last used from Redis to its row.
+   them to UsageMinute rows (operations.minutes: by Redis's clock, a late count re-writes its
+   minute's totals), and rows older than SAMPLING_STATS_RETENTION_DAYS (usage:
+   SAMPLING_USAGE_RETENTION_DAYS) are deleted. One process at a time does it (a Redis lock).
+   The same process copies when each key was last used from Redis to its row.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import Counter, defaultdict
-from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 
 import redis
 from django.conf import settings
-from django.db import close_old_connections, transaction
+from django.db import close_old_connections
 from django.utils import timezone
 
-from batching import access, stats
+from batching import access
 from batching import policy as live_policy
 from batching.keys import QueueKeys
+from operations.minutes import persist_minutes as persist_minutes  # the name tests call
+from operations.minutes import redis_now_s
 from operations.models import (
     ApiKey,
     SamplingPolicy,
@@ -40,11 +39,6 @@ from operations.models import (
 
 log = logging.getLogger(__name__)
 
-# A minute is written once it ended this long ago: web processes flush once a second.
-GRACE_S = 15
-# Not further back than the 10-second buckets are kept in Redis.
-MAX_BACKLOG_MINUTES = stats.TTL_S[stats.TEN_SECONDS] // 60 - 5
-
 
 def run(client: redis.Redis, queue: str, current: live_policy.Policy) -> None:
     try:
@@ -53,7 +47,7 @@ def run(client: redis.Redis, queue: str, current: live_policy.Policy) -> None:
         lock = client.lock(QueueKeys(queue).housekeeping_lock, timeout=60, blocking=False)
         if lock.acquire():
             try:
-                persist_minutes(client, queue, time.time())
+                persist_minutes(client, queue, redis_now_s(client))
                 prune(
                     queue,
                     settings.SAMPLING_STATS_RETENTION_DAYS,
@@ -98,58 +92,6 @@ def record_last_used(client: redis.Redis) -> int:
             ApiKey.objects.filter(pk=key_id).exclude(last_used__gte=moment).update(last_used=moment)
         )
     return updated
-
-
-def persist_minutes(client: redis.Redis, queue: str, now_s: float) -> int:
-    """Write every completed minute not yet written, and its keys' usage; returns the number
-    of statistics rows written."""
-    last = int(now_s - GRACE_S) // 60 - 1  # the newest minute that has ended
-    marker = client.get(QueueKeys(queue).persisted_minute)
-    first = last - MAX_BACKLOG_MINUTES if marker is None else int(marker) + 1
-    first = max(first, last - MAX_BACKLOG_MINUTES)
-    if first > last:
-        return 0
-    buckets = stats.read_buckets(client, queue, stats.TEN_SECONDS, first * 60, (last + 1) * 60)
-    minutes: defaultdict[int, Counter[str]] = defaultdict(Counter)
-    for start, counts in buckets:
-        if counts:
-            minutes[start // 60].update(counts)
-    rows = [
-        StatsMinute(
-            queue=queue,
-            minute=datetime.fromtimestamp(minute * 60, tz=UTC),
-            counts=stats.without_usage(counts),
-        )
-        for minute, counts in sorted(minutes.items())
-    ]
-    usage = usage_rows(queue, minutes)
-    # ignore_conflicts: a minute written by a process whose lock expired mid-way stays as is.
-    with transaction.atomic():
-        StatsMinute.objects.bulk_create(rows, ignore_conflicts=True)
-        UsageMinute.objects.bulk_create(usage, ignore_conflicts=True)
-    client.set(QueueKeys(queue).persisted_minute, last, ex=stats.TTL_S[stats.TEN_SECONDS])
-    return len(rows)
-
-
-def usage_rows(queue: str, minutes: Mapping[int, Counter[str]]) -> list[UsageMinute]:
-    """The keys' usage rows of `minutes` (minute number -> counts); a key deleted since keeps
-    its row, without the key."""
-    used = {minute: stats.usage_of(counts) for minute, counts in minutes.items()}
-    key_ids = {key_id for usage in used.values() for key_id in usage}
-    tiers = dict(ApiKey.objects.filter(pk__in=key_ids).values_list("pk", "tier__name"))
-    return [
-        UsageMinute(
-            queue=queue,
-            minute=datetime.fromtimestamp(minute * 60, tz=UTC),
-            key_id=key_id if key_id in tiers else None,
-            tier=tiers.get(key_id, ""),
-            requests=dict(usage.requests),
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
-        )
-        for minute, by_key in sorted(used.items())
-        for key_id, usage in sorted(by_key.items())
-    ]
 
 
 def prune(queue: str, retention_days: int, usage_retention_days: int | None = None) -> int:

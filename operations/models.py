@@ -443,6 +443,9 @@ class UsageMinute(models.Model):
     requests = models.JSONField(help_text="Requests by outcome.")
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(
+        default=0, help_text="Of the prompt tokens: those of prompts answered from the cache."
+    )
 
     class Meta:
         ordering = ["-minute"]

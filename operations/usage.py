@@ -5,7 +5,8 @@ A key's usage lives in two places: the UsageMinute rows of the minutes housekeep
 persisted (operations.housekeeping), and the statistics buckets in Redis for the minutes
 after them (the current one included, up to the web processes' last flush, a second ago).
 The queue's persisted-minute marker splits the two, so a minute is counted once whichever
-side holds it when the request reads.
+side holds it when the request reads; a minute at or before the marker whose rows are behind
+its buckets (dirty: a late count, or rows not written yet) is read from its buckets.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class ModelUsage:
                 "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens,
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
             },
             "requests": {"total": sum(usage.requests.values()), **dict(usage.requests)},
         }
@@ -51,24 +53,31 @@ def usage_of_key(client: redis.Redis, key_id: int, day: date, now_s: float) -> l
     """The key's usage per model over the UTC day `day`, up to `now_s`."""
     start = datetime(day.year, day.month, day.day, tzinfo=UTC)
     end = start + timedelta(days=1)
+    end_s = end.timestamp()
     found: dict[str, stats.Usage] = {}
     for queue in sorted({*known_queues(), *_queues_used(key_id, start, end)}):
-        marker = client.get(QueueKeys(queue).persisted_minute)
+        keys = QueueKeys(queue)
+        with client.pipeline(transaction=False) as pipe:
+            pipe.get(keys.persisted_minute)
+            pipe.hkeys(keys.dirty_minutes)
+            marker, dirty_raw = pipe.execute()
         rows = UsageMinute.objects.filter(queue=queue, key_id=key_id, minute__gte=start)
         rows = rows.filter(minute__lt=end)
+        dirty = sorted(int(m) for m in dirty_raw if start.timestamp() <= int(m) * 60 < end_s)
         if marker is not None:  # minutes after it are in Redis only (or in both: not read here)
             persisted_until = datetime.fromtimestamp((int(marker) + 1) * 60, tz=UTC)
             rows = rows.filter(minute__lt=persisted_until)
+            rows = rows.exclude(minute__in=[_moment(minute) for minute in dirty])
             unpersisted_from = max(start.timestamp(), persisted_until.timestamp())
         else:  # Redis lost its buckets with the marker: the rows are all there is
-            unpersisted_from = end.timestamp()
+            unpersisted_from, dirty = end_s, []
         usage = _sum_rows(rows)
-        last = min(end.timestamp(), now_s + stats.TEN_SECONDS)
+        last = min(end_s, now_s + stats.TEN_SECONDS)
+        spans = [(minute * 60, minute * 60 + 60) for minute in dirty]
         if unpersisted_from < last:
-            buckets = stats.read_buckets(
-                client, queue, stats.TEN_SECONDS, int(unpersisted_from), int(last)
-            )
-            for _, counts in buckets:
+            spans.append((int(unpersisted_from), int(last)))
+        for first, stop in spans:
+            for _, counts in stats.read_buckets(client, queue, stats.TEN_SECONDS, first, stop):
                 recent = stats.usage_of(counts).get(key_id)
                 if recent is not None:
                     usage.add(recent)
@@ -130,17 +139,34 @@ def _sum_rows(rows: QuerySet[UsageMinute]) -> stats.Usage:
     requests: Counter[str] = Counter()
     for by_outcome in rows.values_list("requests", flat=True):
         requests.update(by_outcome)
-    tokens = rows.aggregate(prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))
-    return stats.Usage(requests, tokens["prompt"] or 0, tokens["completion"] or 0)
+    tokens = rows.aggregate(
+        prompt=Sum("prompt_tokens"),
+        completion=Sum("completion_tokens"),
+        cached=Sum("cached_tokens"),
+    )
+    return stats.Usage(
+        requests, tokens["prompt"] or 0, tokens["completion"] or 0, tokens["cached"] or 0
+    )
+
+
+def _moment(minute: int) -> datetime:
+    return datetime.fromtimestamp(minute * 60, tz=UTC)
+
+
+# The days usage can be asked for: any a datetime holds with the day after it.
+FIRST_DAY, LAST_DAY = date.min, date.max - timedelta(days=1)
 
 
 def _day(raw: str | None, today: date) -> date:
     if raw is None or raw == "":
         return today
     try:
-        return date.fromisoformat(raw)
+        day = date.fromisoformat(raw)
     except ValueError:
         raise Invalid(f"date must be YYYY-MM-DD, got {raw[:40]!r}", "date") from None
+    if not FIRST_DAY <= day <= LAST_DAY:
+        raise Invalid(f"date must be from {FIRST_DAY} to {LAST_DAY}, got {raw}", "date")
+    return day
 
 
 @openai_get

@@ -43,7 +43,7 @@ from sampling.responses import (
     openai_invalid,
 )
 from sampling.runtime import WebProcess, web_process
-from sampling.submission import submit
+from sampling.submission import charge, submit
 from sampling.validation import (
     check_model,
     check_settings,
@@ -116,7 +116,8 @@ def _generate(
     texts = [answer.text for answer in answers]
     if echoed is not None:  # `echo`: each choice after its prompt
         texts = [echoed[index // parsed.n] + text for index, text in enumerate(texts)]
-    response = completion_response(model, parsed, answers, texts, chat=chat)
+    tokens = charge(process.stats, caller, answers, parsed.n)
+    response = completion_response(model, parsed, answers, texts, tokens, chat=chat)
     return RequestOutcome.OK, _with_headers(response, answers.headers())
 
 
@@ -207,6 +208,7 @@ def _inference(
         response = answer_failure(inference_failure, answers)
         response["X-Request-ID"] = request_id
         return answers.outcome, response
+    charge(process.stats, caller, answers)
     latency_ms = round((time.monotonic() - arrival) * 1000, 2)
     output = {"output": answers[0].text, "request_id": request_id, "latency_ms": latency_ms}
     response = json_response(200, output, {"X-Request-ID": request_id, **answers.headers()})

@@ -18,6 +18,7 @@ from django.http import HttpResponse
 from batching.answers import Answer
 from sampling import schemas
 from sampling.responses import json_response
+from sampling.submission import Tokens
 
 
 def _finish_reason(answer: Answer) -> str:
@@ -26,14 +27,14 @@ def _finish_reason(answer: Answer) -> str:
     return answer.finish_reason or "stop"
 
 
-def _usage(answers: list[Answer], n: int) -> dict[str, int]:
-    """Prompt tokens once per prompt (its first choice's count), completion tokens of all."""
-    prompt_tokens = sum(answer.prompt_tokens for answer in answers[::n])
-    completion_tokens = sum(answer.completion_tokens for answer in answers)
+def _usage(tokens: Tokens) -> dict[str, Any]:
+    """Prompt tokens once per prompt (its first choice's count), completion tokens of all, and
+    as OpenAI reports them, the prompt tokens answered from the response cache."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": tokens.prompt,
+        "completion_tokens": tokens.completion,
+        "total_tokens": tokens.prompt + tokens.completion,
+        "prompt_tokens_details": {"cached_tokens": tokens.cached},
     }
 
 
@@ -42,13 +43,14 @@ def completion_response(
     parsed: schemas._Settings,
     answers: list[Answer],
     texts: list[str],
+    tokens: Tokens,
     *,
     chat: bool,
 ) -> HttpResponse:
     prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
     head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
             "model": model}  # fmt: skip
-    usage = _usage(answers, parsed.n)
+    usage = _usage(tokens)
     if parsed.stream:
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return _stream(head, answers, texts, usage if include_usage else None, chat=chat)
@@ -75,7 +77,7 @@ def _stream(
     head: dict[str, Any],
     answers: list[Answer],
     texts: list[str],
-    usage: dict[str, int] | None,
+    usage: dict[str, Any] | None,
     *,
     chat: bool,
 ) -> HttpResponse:

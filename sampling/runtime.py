@@ -26,7 +26,6 @@ from sampling.shedding import Shedder
 
 log = logging.getLogger(__name__)
 
-STATS_FLUSH_INTERVAL_S = 1.0
 BACKGROUND_JOB_INTERVAL_S = 10.0
 
 # A job run every BACKGROUND_JOB_INTERVAL_S in each web process, off the request path:
@@ -65,7 +64,10 @@ class WebProcess:
 
     def __post_init__(self) -> None:
         self.flush_loop = PeriodicLoop(
-            "stats-flush", self._flush, STATS_FLUSH_INTERVAL_S, "flush the statistics"
+            "stats-flush",
+            self._flush,
+            settings.SAMPLING_STATS_FLUSH_INTERVAL_S,
+            "flush the statistics",
         )
         # Jitter, not a secret: the processes of a node spread their jobs over the interval.
         first_jobs_s = BACKGROUND_JOB_INTERVAL_S * random.random()  # noqa: S311
@@ -139,6 +141,19 @@ def web_process() -> WebProcess:
         )
         found.start()
     return found
+
+
+def flush_on_exit() -> None:
+    """This process's last statistics, as it leaves (gunicorn's worker_exit, after its
+    requests ended): counted once even if an earlier flush is sent again with them."""
+    found = _web.get(os.getpid())
+    if found is None:
+        return
+    try:
+        found.stats.flush(found.client)
+    except Exception as exc:  # noqa: BLE001 - Redis away: what is left is lost, and said
+        log.error("statistics not flushed at exit (%d flushes lost): %s",
+                  found.stats.flusher.unsent, exc)  # fmt: skip
 
 
 def warm_up() -> None:

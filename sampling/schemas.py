@@ -206,10 +206,17 @@ class InferenceRequest(BaseModel):
 # --- answers (the OpenAPI document's; built as dicts on the request path) ------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        description="Of prompt_tokens: those of prompts answered from the response cache."
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 FinishReasonField = Literal["stop", "length"]

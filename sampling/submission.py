@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import redis
 from celery.backends.redis import RedisBackend
@@ -60,14 +60,44 @@ def unavailable(message: str = QUEUE_UNAVAILABLE) -> Failure:
     return Failure(Problem.UNAVAILABLE, message)
 
 
+class Tokens(NamedTuple):
+    """A 200 answer's usage, what its key is charged for (batching/stats.py): prompt tokens
+    once per prompt, completion tokens of every choice, and of the prompt tokens, those of
+    prompts answered from the response cache."""
+
+    prompt: int
+    completion: int
+    cached: int
+
+
 class Answers(list[Answer]):
     """A request's answers, one per item, and what the response cache did for it: "hit" (every
-    item answered from it), "miss" (some item sampled), or "" (the cache not asked)."""
+    item answered from it), "miss" (some item sampled), or "" (the cache not asked); and which
+    items it answered (`from_cache`, by index)."""
 
     cache: str = ""
+    from_cache: frozenset[int] = frozenset()
 
     def headers(self) -> dict[str, str]:
         return {"x-cache": self.cache} if self.cache else {}
+
+    def tokens(self, n: int = 1) -> Tokens:
+        """The usage of these answers, `n` choices per prompt (items prompt by prompt): a
+        prompt counts once, by its first choice, and as cached when that one came from the
+        response cache."""
+        firsts = range(0, len(self), n)
+        return Tokens(
+            sum(self[index].prompt_tokens for index in firsts),
+            sum(answer.completion_tokens for answer in self),
+            sum(self[index].prompt_tokens for index in firsts if index in self.from_cache),
+        )
+
+
+def charge(stats: RequestStats, caller: Caller, answers: Answers, n: int = 1) -> Tokens:
+    """Count a 200 answer's usage to its caller's key (in memory; anonymous: nothing)."""
+    tokens = answers.tokens(n)
+    stats.record_usage(caller.key_id, *tokens)
+    return tokens
 
 
 def submit(
@@ -92,7 +122,10 @@ def submit(
     answers = Answers()
     asked = sum(1 for digest in digests if digest)
     if asked:
-        hits = sum(1 for ticket in tickets if ticket.cached is not None)
+        answers.from_cache = frozenset(
+            index for index, ticket in enumerate(tickets) if ticket.cached is not None
+        )
+        hits = len(answers.from_cache)
         answers.cache = "hit" if hits == len(items) else "miss"
         process.stats.record_cache(hits, asked - hits)
         metrics.record_cache(hits, asked - hits)

@@ -21,7 +21,7 @@ from batching.problems import Failure
 from batching.topology import REDIS_FAULTS
 from sampling import metrics
 from sampling.runtime import WebProcess, web_process
-from sampling.submission import submit
+from sampling.submission import charge, submit
 from sampling.wrappers import answer_failure, counted
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ def _sample(
     answers = submit(process, caller, [prompt], arrival + deadline_ms / 1000, deadline_ms)
     if isinstance(answers, Failure):
         return answers.outcome, answer_failure(_failure, answers)
+    charge(process.stats, caller, answers)
     return RequestOutcome.OK, _text(200, answers[0].text, **answers.headers())
 
 

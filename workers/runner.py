@@ -44,8 +44,9 @@ Result = WireAnswer
 def _answer(item: Item, completion: Completion | PromptRejected) -> Answer:
     if isinstance(completion, PromptRejected):
         return Answer(ItemOutcome.PROMPT_REJECTED, str(completion) or "prompt rejected")
-    if item.request is None:  # a /sample request's answer: the text alone, as ever
+    if item.request is None and not item.key_id:  # an anonymous /sample answer: the text alone
         return Answer(ItemOutcome.OK, completion.text)
+    # An API answer, or a keyed /sample one: with its tokens (what its key is charged for).
     return Answer(
         ItemOutcome.OK,
         completion.text,
@@ -68,8 +69,9 @@ class Turn:
     sampler_ms: float = 0.0
     ended: float = 0.0  # perf_counter when the last call returned
     # API key id (0: anonymous) -> (prompt tokens, completion tokens) of its items sampled:
-    # the keys' usage, and the completion tokens charged to their token rate windows, when
-    # the turn is reported.
+    # the queue's sampled tokens (statistics), and the completion tokens charged to the keys'
+    # token rate windows, when the turn is reported. A key's usage (billing) is what its 200
+    # answers delivered, counted by the web processes (batching/stats.py).
     tokens_by_key: dict[int, tuple[int, int]] = field(default_factory=dict)
     # The policy as the sampler ran it (its generation settings, should it have refused the
     # policy's): the response cache stores the turn's answers under its digest.
@@ -356,19 +358,23 @@ class BatchRunner:
             calls=calls,
             max_batch_size=policy.max_batch_size,
         )
-        statistics.update(stats.token_counts(turn.tokens_by_key))
+        statistics[stats.SAMPLED_PROMPT_TOKENS] = sum(p for p, _ in turn.tokens_by_key.values())
+        statistics[stats.SAMPLED_COMPLETION_TOKENS] = sum(c for _, c in turn.tokens_by_key.values())
         charges = {key_id: tokens[1] for key_id, tokens in turn.tokens_by_key.items()}
         cached = self._cached_answers(sealed.items, results, turn.ran or policy)
         cache_ttl_ms = policy.response_cache_ttl_s * 1000
         now_s = time.time()
+        # The statistics' time is the Redis node's (its time at the seal, and the turn since),
+        # as the web processes' flushes are: one clock for every minute, whatever this one says.
+        at_s = sealed.now_ms / 1000 + (time.perf_counter() - turn.began)
         if pipe is not None:
-            self.aggregator.batch_log.queue_record(pipe, json.dumps(record), statistics, now_s)
+            self.aggregator.batch_log.queue_record(pipe, json.dumps(record), statistics, at_s)
             ratelimit.queue_token_charges(pipe, charges, now_s)
             self.aggregator.queue_cached_answers(pipe, cached, cache_ttl_ms)
             return
         try:
             with self.aggregator.client.pipeline(transaction=False) as own:
-                self.aggregator.batch_log.queue_record(own, json.dumps(record), statistics, now_s)
+                self.aggregator.batch_log.queue_record(own, json.dumps(record), statistics, at_s)
                 ratelimit.queue_token_charges(own, charges, now_s)
                 self.aggregator.queue_cached_answers(own, cached, cache_ttl_ms)
                 own.execute()

@@ -139,6 +139,7 @@ def test_usage_is_what_the_key_sent_live_and_in_the_rows(metered: Stack) -> None
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
     rows = in_the_database(metered, name)
@@ -164,6 +165,12 @@ def test_usage_is_what_the_key_sent_live_and_in_the_rows(metered: Stack) -> None
                     headers=bearer(key))  # fmt: skip
     assert reply.status == 400
     assert json.loads(reply.body)["error"]["param"] == "date"
+    # Any date is a 200 or a 400, never a 500: the last one a day after it can be counted to
+    # is out of range, the first one is in.
+    for day, status in (("9999-12-31", 400), ("9999-12-30", 200), ("0001-01-01", 200)):
+        reply = request(metered.base_url, f"/v1/usage?date={day}", method="GET",
+                        headers=bearer(key))  # fmt: skip
+        assert reply.status == status, (day, reply.body)
 
 
 def test_usage_needs_a_key(metered: Stack) -> None:

@@ -150,3 +150,64 @@ def test_usage_goes_to_its_own_rows_and_reads_back_whole_across_the_marker(
     assert (by_tier.label, by_tier.requests, by_tier.ok, by_tier.total_tokens) == ("plus", 4, 3, 42)
     key.delete()  # the rows stay, without the key
     assert UsageMinute.objects.get(queue=queue).key is None
+
+
+def _key(name: str) -> ApiKey:
+    key = ApiKey(name=name, tier=Tier.objects.get(name="plus"))
+    key.issue()
+    key.save()
+    return key
+
+
+def test_a_count_flushed_into_a_persisted_minute_is_added_to_its_rows(
+    live_redis: redis.Redis,
+) -> None:
+    queue = unique_queue("late")
+    key = _key("late")
+    now = float(live_redis.time()[0])
+    in_minute = (int(now) // 60 - 2) * 60 + 30  # a minute that has ended
+    recorder = stats.RequestStats(queue)
+    recorder.record(RequestOutcome.OK, 0.1, now=in_minute, key_id=key.pk)
+    recorder.record_usage(key.pk, 5, 3, 0, now=in_minute)
+    recorder.flush(live_redis)
+    assert housekeeping.persist_minutes(live_redis, queue, now) == 1
+    # A process's flush late by a minute (Redis was away): its counts land in that minute.
+    recorder.record(RequestOutcome.OK, 0.1, now=in_minute, key_id=key.pk)
+    recorder.record_usage(key.pk, 7, 2, 7, now=in_minute)
+    recorder.flush(live_redis)
+    day = datetime.fromtimestamp(now, tz=UTC).date()
+    with override_settings(SAMPLING_QUEUE=queue):  # read back before housekeeping: whole
+        [used] = usage.usage_of_key(live_redis, key.pk, day, now)
+    assert (used.usage.prompt_tokens, used.usage.completion_tokens) == (12, 5)
+    housekeeping.persist_minutes(live_redis, queue, now)
+    [row] = UsageMinute.objects.filter(queue=queue)
+    assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (12, 5, 7)
+    assert row.requests == {RequestOutcome.OK: 2}
+    assert StatsMinute.objects.get(queue=queue).counts["req:ok"] == 2
+    housekeeping.persist_minutes(live_redis, queue, now)  # again: the same totals, not more
+    assert UsageMinute.objects.get(queue=queue).prompt_tokens == 12
+    with override_settings(SAMPLING_QUEUE=queue):
+        [used] = usage.usage_of_key(live_redis, key.pk, day, now)
+    assert (used.usage.prompt_tokens, used.usage.cached_tokens) == (12, 7)
+
+
+def test_rows_written_before_redis_lost_its_data_are_kept_when_new_counts_come(
+    live_redis: redis.Redis,
+) -> None:
+    queue = unique_queue("lost")
+    key = _key("lost")
+    now = float(live_redis.time()[0])
+    in_minute = (int(now) // 60 - 2) * 60 + 30
+    recorder = stats.RequestStats(queue)
+    recorder.record_usage(key.pk, 5, 3, 0, now=in_minute)
+    recorder.flush(live_redis)
+    housekeeping.persist_minutes(live_redis, queue, now)
+    for name in live_redis.scan_iter(f"{QueueKeys(queue).tag}:*"):  # Redis restarted empty
+        live_redis.delete(name)
+    recorder.record_usage(key.pk, 1, 1, 0, now=in_minute)  # a flush kept through the restart
+    recorder.flush(live_redis)
+    housekeeping.persist_minutes(live_redis, queue, now)
+    [row] = UsageMinute.objects.filter(queue=queue)
+    assert (row.prompt_tokens, row.completion_tokens) == (6, 4)
+    housekeeping.persist_minutes(live_redis, queue, now)
+    assert UsageMinute.objects.get(queue=queue).prompt_tokens == 6

@@ -20,8 +20,8 @@ SCRIPT_NAMES = sorted(path.stem for path in scripts.LUA_DIR.glob("*.lua") if pat
 
 def test_every_script_is_known() -> None:
     assert SCRIPT_NAMES == [
-        "admission", "append_items", "claim_name", "clock", "close", "heartbeat", "publish",
-        "seal", "take_due",
+        "admission", "advance_persisted", "append_items", "claim_name", "clear_dirty", "clock",
+        "close", "flush_stats", "heartbeat", "publish", "seal", "take_due",
     ]  # fmt: skip
 
 
