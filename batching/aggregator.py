@@ -65,7 +65,7 @@ from batching.lanes import HOLD_DEADLINE_FRACTION, SCRIPT_CONSTANTS
 from batching.policy import MAX_BATCH_SIZE, Policy
 from batching.ratelimit import RateCounter
 from batching.registry import HEARTBEAT_TIMEOUT_MS, WorkerRegistry
-from batching.topology import is_cluster
+from batching.topology import REDIS_FAULTS, is_cluster
 
 log = logging.getLogger(__name__)
 
@@ -434,7 +434,7 @@ class BatchAggregator:
                         *_clock_arg(now_ms),
                     ],
                 )  # fmt: skip
-            except redis.RedisError as exc:
+            except REDIS_FAULTS as exc:
                 log.warning("admission figures of shard %s not refreshed: %s", keys.tag, exc)
                 figure = -1
             predicted.append(int(figure))

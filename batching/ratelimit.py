@@ -43,6 +43,7 @@ import redis
 
 from batching.access import KEYS, Caller
 from batching.keys import AccessKeys, ShardKeys
+from batching.topology import REDIS_FAULTS
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ class RateLimiter:
         refuses, never serves, too much)."""
         try:
             self.client.decrby(counter, cost)
-        except redis.RedisError as exc:
+        except REDIS_FAULTS as exc:
             log.warning("a refused request's count not given back: %s", exc)
 
     def counter(self, caller: Caller, shard: ShardKeys, now_s: float | None = None) -> str | None:

@@ -38,7 +38,7 @@ from redis.cluster import ClusterPipeline
 from redis.connection import parse_url
 
 from batching.keys import ShardKeys, tag_of
-from batching.topology import is_cluster, redis_client
+from batching.topology import REDIS_FAULTS, is_cluster, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ class ResultListener:
         for task_id in waiting:
             try:
                 payload = self.client.get(self._prefix + task_id)
-            except redis.RedisError as exc:
+            except REDIS_FAULTS as exc:
                 log.warning("result listener: cannot read result %s: %s", task_id, exc)
                 continue
             if payload is not None:

@@ -424,7 +424,7 @@ def publish_access() -> None:
     Redis had; the web processes apply it within access.POLL_INTERVAL_S."""
     try:
         access.replace_all(redis_client(), access_records)
-    except redis.RedisError as exc:
+    except REDIS_FAULTS as exc:
         # Saved all the same: housekeeping republishes what differs once Redis answers.
         log.error("API keys saved but not yet published: %s", exc)
 

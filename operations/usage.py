@@ -24,6 +24,7 @@ from batching.access import Caller
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem
+from batching.topology import REDIS_FAULTS
 from inference_site.redis_client import redis_client
 from operations.models import ApiKey, UsageMinute, known_queues
 from sampling.responses import Invalid, json_response
@@ -185,7 +186,7 @@ def usage_view(request: HttpRequest, caller: Caller) -> HttpResponse | Failure:
     day = _day(request.GET.get("date"), now.date())
     try:
         used = usage_of_key(redis_client(), caller.key_id, day, now.timestamp())
-    except redis.RedisError:
+    except REDIS_FAULTS:
         return Failure(Problem.UNAVAILABLE, "usage cannot be read: Redis unavailable")
     data = [model_usage.as_json() for model_usage in used]
     return json_response(200, {"object": "list", "date": day.isoformat(), "data": data})

@@ -32,6 +32,7 @@ from batching.policy import PolicyWatcher, policy_from_settings
 from batching.protocol import RUN_BATCH_TASK, UNKNOWN_LANE, task_priority
 from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.results import queue_result
+from batching.topology import REDIS_FAULTS
 from workers.pipeline import BatchPipeline
 from workers.runner import BatchRunner, Result
 from workers.samplers import load_sampler
@@ -327,7 +328,7 @@ class SamplingWorker:
                 with aggregator.client.pipeline(transaction=False) as pipe:
                     aggregator.queue_cache_version(pipe, version)
                     pipe.execute()
-            except redis.RedisError as exc:
+            except REDIS_FAULTS as exc:
                 log.warning("policy version %d not written on every shard: %s", version, exc)
         with aggregator.client.pipeline(transaction=False) as pipe:
             if not cluster:
