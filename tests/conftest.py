@@ -67,13 +67,28 @@ def database_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return url
 
 
+# Every stack started in this session, in order (start_stack appends).
+STACKS: list[Stack] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_the_modules_stacks() -> Iterator[None]:
+    """A module's stacks stop when it ends: idle stacks of earlier modules would otherwise
+    share the two cores with every later test (the soak at the end lost a third of its
+    answers to them)."""
+    first = len(STACKS)
+    yield
+    for stack in STACKS[first:]:
+        stack.stop()
+
+
 @pytest.fixture(scope="session")
 def start_stack(
     redis_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., Stack]]:
     """Start a real stack (gunicorn + Celery workers) on the shared Redis; stopped at the end
-    of the session, or earlier by the test. Process logs are printed when a start fails."""
-    started: list[Stack] = []
+    of its test module, or earlier by the test. Process logs are printed when a start fails."""
+    started = STACKS
 
     def start(
         label: str, env: dict[str, str] | None = None, gpus: list[int | None] | None = None,
