@@ -19,6 +19,7 @@ import redis
 from batching import access
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
+from tests.integration.test_usage import known_everywhere
 from tests.support.http import sample
 from tests.support.keys import bearer, create_key
 from tests.support.waiting import wait_until
@@ -106,6 +107,8 @@ def test_valid_keys_hold_across_a_redis_restart_with_no_data(
         create_key(stack, f"restart {tier}", "--tier", tier, "--rpm", KEY_RPM)
         for tier in ("plus", "free")
     ]
+    # The load starts once every web process knows both keys (they poll every 0.5 s).
+    wait_until(lambda: all(known_everywhere(stack, key) for key in keys), 5, "keys known")
     answers: list[Answer] = []
     stop = threading.Event()
     load = threading.Thread(target=keyed_load, args=(stack.base_url, keys, stop, answers))
