@@ -62,12 +62,14 @@ from bench.farm.shape import (
 )
 from bench.harness import loadgen
 from bench.harness.machine import describe_machine
-from bench.harness.procstat import cpu_seconds, redis_cpu
+from bench.harness.procstat import cpu_seconds, redis_cpu, shed_counts
 from bench.harness.stack import Stack, simulated_env, simulated_stack
 from bench.harness.trees import in_turn
 from inference_site.lib.embedded_cluster import EmbeddedCluster
 from inference_site.lib.embedded_redis import EmbeddedRedis, valkey_binary
 from workers.samplers.simulated import expected_completion
+
+SHED_REASONS = ("in_flight", "late")  # sampling.shedding.ShedReason's values
 
 
 @contextlib.contextmanager
@@ -108,6 +110,8 @@ def one_round(
                 ),
                 **settings,
             }
+            if shape.max_in_flight:
+                env["WEB_MAX_IN_FLIGHT"] = str(shape.max_in_flight)
             # The first web node starts the workers too; the second is a gunicorn alone.
             for node in range(WEB_NODES):
                 stack = simulated_stack(
@@ -139,7 +143,10 @@ def one_round(
             redis_before = [redis_cpu(node).total_s for node in nodes]
             broker_before = redis_cpu(broker_client).total_s
             web_before = sum(cpu_seconds(stack.web.pid) for stack in stacks if stack.web)
+            shed_before = shed_counts(ports)
             results = load(seconds, "farm")
+            shed_after = shed_counts(ports)
+            shed = {r: shed_after.get(r, 0.0) - shed_before.get(r, 0.0) for r in SHED_REASONS}
             web_used = sum(cpu_seconds(stack.web.pid) for stack in stacks if stack.web)
             web_used -= web_before
             redis_used = [
@@ -152,7 +159,7 @@ def one_round(
             wrong = results.count(loadgen.WRONG)
             if wrong:
                 raise RuntimeError(f"{wrong} requests got someone else's completion")
-            return _row(results, sizes, web_used, redis_used, broker_used)
+            return _row(results, sizes, web_used, redis_used, broker_used, shed)
     finally:
         for stack in reversed(stacks):
             stack.stop()
@@ -165,8 +172,10 @@ def _row(
     web_used: float,
     redis_used: list[float],
     broker_used: float,
+    shed: dict[str, float],
 ) -> dict[str, object]:
-    """A round's figures from its load's results, batch sizes and CPU seconds used."""
+    """A round's figures from its load's results, batch sizes, CPU seconds used and the
+    web processes' own refusals by reason."""
     sent = results.sent
     return {
         "goodput": results.goodput_rps,
@@ -176,6 +185,8 @@ def _row(
         "other_example": results.examples.get(loadgen.OTHER, ""),
         "503_%": 100 * results.share(RequestOutcome.REJECTED),
         "504_%": 100 * results.share(RequestOutcome.TIMEOUT),
+        "in_flight_%": 100 * shed["in_flight"] / sent,
+        "late_%": 100 * shed["late"] / sent,
         "p50_ms": results.percentile_ms(50),
         "p99_ms": results.percentile_ms(99),
         "fill": statistics.mean(sizes) if sizes else 0.0,
@@ -187,8 +198,8 @@ def _row(
 
 
 # The options' defaults; --slow-motion's (SLOW_MOTION) over them; any option given over both.
-DEFAULTS = {"gpus": GPUS, "call_ms": CALL_MS, "deadline_ms": None, "rate": 400.0,
-            "seconds": 10.0, "rounds": 2}  # fmt: skip
+DEFAULTS = {"gpus": GPUS, "call_ms": CALL_MS, "deadline_ms": None, "max_in_flight": None,
+            "rate": 400.0, "seconds": 10.0, "rounds": 2}  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, help=f"simulated workers (default {GPUS})")
     parser.add_argument("--call-ms", type=int, help=f"a simulated call (default {CALL_MS})")
     parser.add_argument("--deadline-ms", type=int, help="default: the service's")
+    parser.add_argument(
+        "--max-in-flight", type=int, help="WEB_MAX_IN_FLIGHT; default: the service's"
+    )
     parser.add_argument("--topology", choices=sorted(CHOSEN), default="both")
     parser.add_argument(
         "--slow-motion",
@@ -211,7 +225,7 @@ def main(args: argparse.Namespace) -> None:
     for name, default in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, SLOW_MOTION[name] if args.slow_motion else default)
-    shape = Shape(args.gpus, args.call_ms, args.deadline_ms)
+    shape = Shape(args.gpus, args.call_ms, args.deadline_ms, args.max_in_flight)
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench-farm-"))
     topologies = CHOSEN[args.topology]

@@ -10,7 +10,8 @@ from bench.harness.stats import median_of_rounds
 def table(figures: dict[str, list[dict[str, object]]], rate_rps: float, shape: Shape) -> str:
     rounds = min(len(runs) for runs in figures.values())
     header = [
-        "request path", "goodput req/s", "200 %", "503 %", "504 %", "other (500...)",
+        "request path", "goodput req/s", "200 %", "503 %", "of which in flight, late %",
+        "504 %", "other (500...)",
         "p50 ms", "p99 ms", "items/batch", "web CPU ms/req", "Redis CPU µs/req, per node",
         "broker µs/req",
     ]  # fmt: skip
@@ -20,6 +21,7 @@ def table(figures: dict[str, list[dict[str, object]]], rate_rps: float, shape: S
         per_node = row["redis_us"]
         rows.append([
             topology, f"{row['goodput']:.0f}", f"{row['ok_%']:.2f}", f"{row['503_%']:.2f}",
+            f"{row['in_flight_%']:.2f}, {row['late_%']:.2f}",
             f"{row['504_%']:.2f}", f"{max(_count(run, 'other') for run in runs):.0f}",
             f"{row['p50_ms']:.0f}", f"{row['p99_ms']:.0f}", f"{row['fill']:.1f}",
             f"{row['web_ms']:.2f}",
@@ -32,7 +34,7 @@ def table(figures: dict[str, list[dict[str, object]]], rate_rps: float, shape: S
         f"({shape.call_ms} ms a call, {deadline} deadlines), {rate_rps:g} req/s offered, "
         f"medians of {rounds} rounds (other: the most of any round)"
     )
-    return f"{title}\n\n{markdown_table(header, rows, align='lrrrrrrrrrlr')}\n"
+    return f"{title}\n\n{markdown_table(header, rows, align='lrrrrrrrrrrlr')}\n"
 
 
 def _count(run: dict[str, object], name: str) -> float:

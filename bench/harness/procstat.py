@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
@@ -76,3 +77,19 @@ def redis_cpu(client: redis.Redis) -> RedisCpu:
 def redis_commands(client: redis.Redis) -> int:
     """Commands Redis has run since it started (INFO commandstats, those Lua runs included)."""
     return sum(stat["calls"] for stat in client.info("commandstats").values())
+
+
+def shed_counts(ports: list[int]) -> dict[str, float]:
+    """`sampling_shed_requests_total` by reason, summed over the web processes on `ports`
+    (/metrics): the 503s they refused before any Redis call (too many in flight, late); a 503
+    not counted here came from admission (the queue's predicted wait) or Redis away."""
+    counts: dict[str, float] = {}
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        for line in text.splitlines():
+            if line.startswith("sampling_shed_requests_total{"):
+                labels, value = line.rsplit(" ", 1)
+                reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+                counts[reason] = counts.get(reason, 0.0) + float(value)
+    return counts
