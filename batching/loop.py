@@ -14,6 +14,7 @@ Knows nothing of Django nor of what its job does.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +37,8 @@ class PeriodicLoop:
     """Runs `job()` every `interval_s` seconds (settable while it runs: the next wait uses
     the new value) from `start()` until `stop()`. `what` names the job in the log lines
     ("cannot <what>"). The first run comes after `first_wait_s` (default: one interval;
-    0: at once)."""
+    0: at once). `jitter`: each wait is the interval times a random factor within 1 +/- it,
+    so that the loops of processes started together do not run in step."""
 
     def __init__(
         self,
@@ -45,10 +47,12 @@ class PeriodicLoop:
         interval_s: float,
         what: str = "",
         first_wait_s: float | None = None,
+        jitter: float = 0.0,
     ) -> None:
         self.name = name
         self.job = job
         self.interval_s = interval_s
+        self.jitter = jitter
         self.what = what or f"run {name}"
         self.first_wait_s = first_wait_s
         self.runs = 0  # successful runs, for tests and operators
@@ -107,4 +111,9 @@ class PeriodicLoop:
         wait_s = self.interval_s if self.first_wait_s is None else self.first_wait_s
         while not stop.wait(wait_s):
             self.run_once()
-            wait_s = self.interval_s
+            wait_s = self.next_wait_s()
+
+    def next_wait_s(self) -> float:
+        """The wait before the next run: the interval, spread by the jitter."""
+        spread = random.uniform(1 - self.jitter, 1 + self.jitter)  # noqa: S311 - not a secret
+        return self.interval_s * spread

@@ -70,3 +70,13 @@ def test_the_interval_is_settable_while_it_runs_and_stop_ends_it() -> None:
     finally:
         loop.stop(timeout_s=1)
     assert not loop.running
+
+
+def test_a_jittered_loop_spreads_its_waits_around_its_interval() -> None:
+    """Loops of processes started together drift apart (the workers' hand-over scans)."""
+    steady = PeriodicLoop("steady", Flaky(), interval_s=0.5)
+    assert {steady.next_wait_s() for _ in range(20)} == {0.5}
+    spread = PeriodicLoop("spread", Flaky(), interval_s=0.5, jitter=0.2)
+    waits = [spread.next_wait_s() for _ in range(200)]
+    assert all(0.4 <= wait <= 0.6 for wait in waits)
+    assert max(waits) - min(waits) > 0.1  # 200 draws within 1/4 of the range: never seen
