@@ -1,18 +1,20 @@
 """A request's one Redis round trip into its lane's open batch: a MULTI of plain commands (a
 Lua call costs a Redis core several times more), SET NX GET of the open pointer (the batch
 joined, or this request's new one), RPUSH of the item, now and then HGET of the admission
-figure, and the INCR of a rate counter. Sent by hand on a pooled connection, or through a
-cluster client's pipeline, which routes it to the shard's master. A request of several items,
-one the response cache may answer, or one near its key's request limit joins by one script
-call instead (`join_items`)."""
+figure, and the INCR of a rate counter. Sent by hand on a pooled connection: of the server,
+or on a cluster of the master its slot's table names (again on the new one after a MOVED).
+A request of several items, one the response cache may answer, or one near its key's request
+limit joins by one script call instead (`join_items`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import MovedError
 
 from batching.keys import LaneKeys, ShardKeys
 from batching.ratelimit import RateCounter
@@ -30,43 +32,22 @@ def join(
 ) -> list[Any]:
     """The append's MULTI: [the open pointer before (None: `pointer` set), the pending
     list's length, (the admission figure), (the rate counter after its raise)]."""
-    send = _join_pipelined if cluster else _join_packed
-    replies = send(client, keys, pointer, item, ttl_ms, read_admission, counter)
+    commands = _commands(keys, pointer, item, ttl_ms, read_admission, counter)
+    if cluster:
+        replies = _join_on_node(cast(RedisCluster, client), keys.open_batch, commands)
+    else:
+        replies = _send_packed(client.connection_pool, commands)
     return replies[:-1] if counter is not None and counter.expire_ms else replies  # PEXPIRE
 
 
-def _join_pipelined(
-    client: redis.Redis,
+def _commands(
     keys: LaneKeys,
     pointer: str,
     item: str,
     ttl_ms: int,
     read_admission: bool,
     counter: RateCounter | None,
-) -> list[Any]:
-    with client.pipeline(transaction=True) as pipe:
-        pipe.set(keys.open_batch, pointer, nx=True, get=True, px=ttl_ms)
-        pipe.rpush(keys.pending, item)
-        if read_admission:
-            pipe.hget(keys.admission, keys.predicted)
-        if counter is not None:
-            pipe.incr(counter.key)
-            if counter.expire_ms:
-                pipe.pexpire(counter.key, counter.expire_ms)
-        return list(pipe.execute())
-
-
-def _join_packed(
-    client: redis.Redis,
-    keys: LaneKeys,
-    pointer: str,
-    item: str,
-    ttl_ms: int,
-    read_admission: bool,
-    counter: RateCounter | None,
-) -> list[Any]:
-    """`_join_pipelined`'s bytes, sent by hand on a pooled connection: redis-py's Pipeline
-    spends several times the Python on them (`python -m bench.append_cost`)."""
+) -> list[tuple[str | int, ...]]:
     commands: list[tuple[str | int, ...]] = [
         ("MULTI",),
         ("SET", keys.open_batch, pointer, "NX", "GET", "PX", ttl_ms),
@@ -79,7 +60,50 @@ def _join_packed(
         if counter.expire_ms:
             commands.append(("PEXPIRE", counter.key, counter.expire_ms))
     commands.append(("EXEC",))
-    pool = client.connection_pool
+    return commands
+
+
+def _join_on_node(
+    client: RedisCluster, key: str, commands: list[tuple[str | int, ...]]
+) -> list[Any]:
+    """The MULTI on the master the client's slot table names for `key`'s slot: redis-py's
+    cluster pipeline spends about as much Python on it as the rest of the request. A master
+    that no longer serves the slot answers MOVED to the first command and EXEC aborts:
+    nothing was applied, the table learns the slot's new master as redis-py's own commands
+    teach it (`_learn`), and the MULTI is sent there, once. ASK (a slot being migrated) and a
+    master away raise, as through the pipeline (a 503)."""
+    try:
+        return _send_packed(_pool_of(client, key), commands)
+    except MovedError as moved:
+        _learn(client, moved)
+        return _send_packed(_pool_of(client, key), commands)
+    except (redis.ConnectionError, redis.TimeoutError) as away:
+        _learn(client, away)
+        raise
+
+
+def _pool_of(client: RedisCluster, key: str) -> redis.ConnectionPool:
+    node = client.get_node_from_key(key)
+    assert node.redis_connection is not None  # every node of the table has its client
+    return node.redis_connection.connection_pool
+
+
+def _learn(client: RedisCluster, error: Exception) -> None:
+    """What redis-py's cluster client does on MOVED or a master away: the table read again
+    from the cluster every `reinitialize_steps` such errors; in between, a moved slot's new
+    master taken from the MOVED itself."""
+    client.reinitialize_counter += 1
+    steps = client.reinitialize_steps
+    if steps and client.reinitialize_counter % steps == 0:
+        client.nodes_manager.initialize()
+        client.reinitialize_counter = 0
+    elif isinstance(error, MovedError):
+        client.nodes_manager.move_slot(error)
+
+
+def _send_packed(pool: redis.ConnectionPool, commands: list[tuple[str | int, ...]]) -> list[Any]:
+    """A MULTI ... EXEC sent by hand on a pooled connection: redis-py's Pipeline spends several
+    times the Python on the same bytes (`python -m bench append_cost`)."""
     # The pool hands out a connection Redis closed (restarted) only after reconnecting it.
     conn = pool.get_connection()
     try:

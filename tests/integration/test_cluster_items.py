@@ -7,8 +7,10 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from redis.crc import key_slot
 
 from batching.aggregator import BatchAggregator
+from batching.keys import LaneKeys
 from batching.ratelimit import RateCounter
 from batching.topology import redis_client
 from inference_site.lib.embedded_cluster import EmbeddedCluster
@@ -48,3 +50,34 @@ def test_items_limit_and_cache_in_one_call_on_every_shard(cluster: EmbeddedClust
         # An older policy's lookup is a miss.
         [stale] = aggregator.append_items(items[:1], 500, shard, version=2).tickets
         assert stale.cached is None
+
+
+def test_a_request_whose_slot_moved_joins_on_its_new_master(cluster: EmbeddedCluster) -> None:
+    """The append's MULTI goes straight to the master the client's slot table names; when the
+    slot has moved since (resharding, a failover), that master answers MOVED, nothing is
+    applied, and the request joins on the slot's new master, once."""
+    client = redis_client(cluster.url, cluster=True)  # its slot table: read now
+    aggregator = BatchAggregator(client, unique_queue("moved"), shards=1)
+    keys = aggregator.shards[0]
+    slot = key_slot(keys.open_batch.encode())
+    owner = cluster.node_index_for_slot(slot)
+    target = (owner + 1) % cluster.masters
+    target_id = cluster.client(target).execute_command("CLUSTER MYID").decode()
+    aggregator.append("E equals ", 500)  # what the process reads apart from its MULTI: read
+    on_owner = cluster.client(owner)
+    on_owner.delete(*on_owner.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100))
+    for index in range(cluster.masters):  # an empty slot moves by SETSLOT alone
+        cluster.client(index).execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+    try:
+        ticket = aggregator.append("E equals ", 500)
+        assert ticket.index == 0
+        assert ticket.opened
+        moved_to = cluster.client(target)
+        assert moved_to.llen(LaneKeys.of(keys, 0).pending) == 1  # joined there, once
+        assert client.get_node_from_key(keys.open_batch).port == cluster.ports[target]
+        assert aggregator.append("E equals ", 500).index == 1  # straight there now
+    finally:
+        owner_id = cluster.client(owner).execute_command("CLUSTER MYID").decode()
+        client.delete(keys.open_batch, LaneKeys.of(keys, 0).pending)
+        for index in range(cluster.masters):
+            cluster.client(index).execute_command("CLUSTER", "SETSLOT", slot, "NODE", owner_id)
