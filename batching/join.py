@@ -19,6 +19,12 @@ from redis.exceptions import MovedError
 from batching.keys import LaneKeys, ShardKeys
 from batching.ratelimit import RateCounter
 
+# What redis-py's BlockingConnectionPool raises when none of its connections comes free within
+# its timeout (POOL_WAIT_S): this process holds them all, the node is not away. Counted as a
+# node away, every fifth made the cluster client read the cluster's layout again and drop
+# the pools' free connections: under a load that keeps the pools busy, more load.
+POOL_EMPTY = "No connection available."
+
 
 def join(
     client: redis.Redis,
@@ -70,15 +76,16 @@ def _join_on_node(
     cluster pipeline spends about as much Python on it as the rest of the request. A master
     that no longer serves the slot answers MOVED to the first command and EXEC aborts:
     nothing was applied, the table learns the slot's new master as redis-py's own commands
-    teach it (`_learn`), and the MULTI is sent there, once. ASK (a slot being migrated) and a
-    master away raise, as through the pipeline (a 503)."""
+    teach it (`_learn`), and the MULTI is sent there, once. ASK (a slot being migrated), a
+    master away and a pool with no free connection raise, as through the pipeline (a 503)."""
     try:
         return _send_packed(_pool_of(client, key), commands)
     except MovedError as moved:
         _learn(client, moved)
         return _send_packed(_pool_of(client, key), commands)
     except (redis.ConnectionError, redis.TimeoutError) as away:
-        _learn(client, away)
+        if str(away) != POOL_EMPTY:  # a busy pool is no news of the cluster's layout
+            _learn(client, away)
         raise
 
 

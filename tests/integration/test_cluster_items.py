@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
+import redis
 from redis.crc import key_slot
 
 from batching.aggregator import BatchAggregator
@@ -81,3 +83,30 @@ def test_a_request_whose_slot_moved_joins_on_its_new_master(cluster: EmbeddedClu
         client.delete(keys.open_batch, LaneKeys.of(keys, 0).pending)
         for index in range(cluster.masters):
             cluster.client(index).execute_command("CLUSTER", "SETSLOT", slot, "NODE", owner_id)
+
+
+def test_a_busy_pool_is_not_taken_for_a_master_away(cluster: EmbeddedCluster) -> None:
+    """A web process whose pool of a master has no free connection within its wait refuses
+    the request (503), and leaves the cluster client's layout alone: counted as a master
+    away, every fifth such refusal read the layout again and dropped the pools' free
+    connections, more work for a process already too busy."""
+    client = redis_client(
+        cluster.url, cluster=True, max_connections=1,
+        connection_pool_class=redis.BlockingConnectionPool, timeout=0.05,
+    )  # fmt: skip
+    aggregator = BatchAggregator(client, unique_queue("busy"), shards=1)
+    aggregator.append("E equals ", 500)  # the process's figures read: only the MULTI is left
+    pool = client.get_node_from_key(aggregator.shards[0].open_batch).redis_connection
+    assert pool is not None
+    held = pool.connection_pool.get_connection()  # another request's, for the whole test
+    try:
+        with mock.patch.object(
+            client.nodes_manager, "initialize", wraps=client.nodes_manager.initialize
+        ) as initialize:
+            for _ in range(2 * client.reinitialize_steps):
+                with pytest.raises(redis.ConnectionError):
+                    aggregator.append("E equals ", 500)
+        assert initialize.call_count == 0
+    finally:
+        pool.connection_pool.release(held)
+    assert aggregator.append("E equals ", 500).index == 1
