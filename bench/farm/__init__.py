@@ -3,15 +3,15 @@
 On this machine: two web nodes and 4 simulated GPUs, the request path on one Redis or spread
 as 3 shards over a local 3-master cluster, under the same load.
 
-    .venv/bin/python -m bench farm [--rounds 2] [--rate 400] [--seconds 10]
-        [--gpus 4] [--call-ms 100] [--deadline-ms D] [--topology both|one|cluster]
+    .venv/bin/python -m bench farm [--rounds 2] [--rate 400] [--seconds 10] [--gpus 4]
+        [--call-ms 100] [--deadline-ms D] [--max-in-flight N] [--topology both|one|cluster]
     .venv/bin/python -m bench farm --slow-motion [--topology cluster]
 
 `--slow-motion` is the 20,000 req/s farm (21 GPUs, 100 ms calls, 500 ms deadlines) slowed
 down 20 times so that this machine carries it: 21 simulated workers with 2,000 ms calls and
-10,000 ms deadlines under 1,000 req/s for 60 s, one round. Its bar: at least 99.9% of the
-requests answered 200 and none 500 on the cluster, as on one Redis (the last line says
-whether each topology met it).
+10,000 ms deadlines (and so 20 times the web processes' in-flight cap) under 1,000 req/s for
+60 s, one round. Its bar: at least 99.9% of the requests answered 200 and none 500 on the
+cluster, as on one Redis (the last line says whether each topology met it).
 
 Each round starts, per topology, a fresh set of servers and processes:
   - the Celery broker on its own Redis (CELERY_BROKER_URL; REDIS_URL points there too);
@@ -22,10 +22,11 @@ Each round starts, per topology, a fresh set of servers and processes:
   - `--gpus` Celery workers with the simulated sampler (SIMULATED_BATCH_MS: `--call-ms`).
 Then it offers open-loop Poisson load split evenly over the two ports (a warm-up, then the
 measured part) and prints, per topology, the medians over the rounds of: goodput, the shares
-of 200, 503, 504 and any other answer (a 500, a connection error, no answer within the
-deadline and 2 s: one example is printed), p50 and p99 latency, batch fill (items per batch,
-from the batch records of the measured part), web CPU per request (both gunicorns), and each
-Redis node's CPU per request (`INFO cpu`): the request path's node(s), and the broker.
+of 200, 503 (and those the web processes refused themselves: too many in flight, late), 504
+and any other answer (a 500, a connection error, no answer within the deadline and 2 s: one
+example is printed), p50 and p99 latency, batch fill (items per batch, from the batch records
+of the measured part), web CPU per request (both gunicorns), and each Redis node's CPU per
+request (`INFO cpu`): the request path's node(s), and the broker.
 Topologies alternate between rounds: the machine is noisy. Every 200 is checked against its
 own prompt.
 """
