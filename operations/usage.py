@@ -6,7 +6,9 @@ persisted (operations.housekeeping), and the statistics buckets in Redis for the
 after them (the current one included, up to the web processes' last flush, a second ago).
 The queue's persisted-minute marker splits the two, so a minute is counted once whichever
 side holds it when the request reads; a minute at or before the marker whose rows are behind
-its buckets (dirty: a late count, or rows not written yet) is read from its buckets.
+its buckets (dirty: a late count, or rows not written yet) is read from its buckets. Without
+the marker (no minute taken since the first start or since Redis lost its data) the buckets
+left hold only counts no row holds, and both are read.
 """
 
 from __future__ import annotations
@@ -54,37 +56,53 @@ def usage_of_key(client: redis.Redis, key_id: int, day: date, now_s: float) -> l
     """The key's usage per model over the UTC day `day`, up to `now_s`."""
     start = datetime(day.year, day.month, day.day, tzinfo=UTC)
     end = start + timedelta(days=1)
-    end_s = end.timestamp()
     found: dict[str, stats.Usage] = {}
     for queue in sorted({*known_queues(), *_queues_used(key_id, start, end)}):
-        keys = QueueKeys(queue)
-        with client.pipeline(transaction=False) as pipe:
-            pipe.get(keys.persisted_minute)
-            pipe.hkeys(keys.dirty_minutes)
-            marker, dirty_raw = pipe.execute()
-        rows = UsageMinute.objects.filter(queue=queue, key_id=key_id, minute__gte=start)
-        rows = rows.filter(minute__lt=end)
-        dirty = sorted(int(m) for m in dirty_raw if start.timestamp() <= int(m) * 60 < end_s)
-        if marker is not None:  # minutes after it are in Redis only (or in both: not read here)
-            persisted_until = datetime.fromtimestamp((int(marker) + 1) * 60, tz=UTC)
-            rows = rows.filter(minute__lt=persisted_until)
-            rows = rows.exclude(minute__in=[_moment(minute) for minute in dirty])
-            unpersisted_from = max(start.timestamp(), persisted_until.timestamp())
-        else:  # Redis lost its buckets with the marker: the rows are all there is
-            unpersisted_from, dirty = end_s, []
-        usage = _sum_rows(rows)
-        last = min(end_s, now_s + stats.TEN_SECONDS)
-        spans = [(minute * 60, minute * 60 + 60) for minute in dirty]
-        if unpersisted_from < last:
-            spans.append((int(unpersisted_from), int(last)))
-        for first, stop in spans:
-            for _, counts in stats.read_buckets(client, queue, stats.TEN_SECONDS, first, stop):
-                recent = stats.usage_of(counts).get(key_id)
-                if recent is not None:
-                    usage.add(recent)
-        if usage.requests or usage.prompt_tokens or usage.completion_tokens:
+        usage = _usage_in_queue(client, QueueKeys(queue), key_id, (start, end), now_s)
+        if usage is None:  # the marker was set while it read: read again, by the marker
+            usage = _usage_in_queue(client, QueueKeys(queue), key_id, (start, end), now_s)
+        if usage and (usage.requests or usage.prompt_tokens or usage.completion_tokens):
             found[queue] = usage
     return [ModelUsage(queue, usage) for queue, usage in sorted(found.items())]
+
+
+def _usage_in_queue(
+    client: redis.Redis, keys: QueueKeys, key_id: int, day: tuple[datetime, datetime], now_s: float
+) -> stats.Usage | None:
+    """The key's usage of one queue over `day`: rows up to the persisted-minute marker (but its
+    dirty minutes), buckets after it. None when the marker was missing at the start and set by
+    the end (housekeeping's first run: the rows it seeded into the buckets were read twice)."""
+    start, end = day
+    start_s, end_s = start.timestamp(), end.timestamp()
+    with client.pipeline(transaction=False) as pipe:
+        pipe.get(keys.persisted_minute)
+        pipe.hkeys(keys.dirty_minutes)
+        marker, dirty_raw = pipe.execute()
+    rows = UsageMinute.objects.filter(queue=keys.queue, key_id=key_id, minute__gte=start)
+    rows = rows.filter(minute__lt=end)
+    dirty = sorted(int(m) for m in dirty_raw if start_s <= int(m) * 60 < end_s)
+    if marker is not None:  # minutes after it are in Redis only (or in both: not read here)
+        persisted_until = datetime.fromtimestamp((int(marker) + 1) * 60, tz=UTC)
+        rows = rows.filter(minute__lt=persisted_until)
+        rows = rows.exclude(minute__in=[_moment(minute) for minute in dirty])
+        unpersisted_from = max(start_s, persisted_until.timestamp())
+    else:
+        # No minute taken since Redis lost its data (or since the first start): the buckets
+        # left hold only counts no row holds (operations.minutes), so both are read.
+        unpersisted_from, dirty = max(start_s, now_s - stats.TTL_S[stats.TEN_SECONDS]), []
+    usage = _sum_rows(rows)
+    last = min(end_s, now_s + stats.TEN_SECONDS)
+    spans = [(minute * 60, minute * 60 + 60) for minute in dirty]
+    if unpersisted_from < last:
+        spans.append((int(unpersisted_from), int(last)))
+    for first, stop in spans:
+        for _, counts in stats.read_buckets(client, keys.queue, stats.TEN_SECONDS, first, stop):
+            recent = stats.usage_of(counts).get(key_id)
+            if recent is not None:
+                usage.add(recent)
+    if marker is None and client.exists(keys.persisted_minute):
+        return None
+    return usage
 
 
 @dataclass(frozen=True)

@@ -211,3 +211,37 @@ def test_rows_written_before_redis_lost_its_data_are_kept_when_new_counts_come(
     assert (row.prompt_tokens, row.completion_tokens) == (6, 4)
     housekeeping.persist_minutes(live_redis, queue, now)
     assert UsageMinute.objects.get(queue=queue).prompt_tokens == 6
+
+
+def test_usage_counts_what_was_flushed_before_the_first_minute_was_taken(
+    live_redis: redis.Redis,
+) -> None:
+    """No persisted-minute marker yet (a fresh start, or Redis restarted empty and housekeeping
+    not run since): the rows written before and the counts flushed since are both the key's."""
+    queue = unique_queue("nomark")
+    key = _key("nomark")
+    now = float(live_redis.time()[0])
+    day = datetime.fromtimestamp(now, tz=UTC).date()
+    recorder = stats.RequestStats(queue)
+    recorder.record(RequestOutcome.OK, 0.1, now=now, key_id=key.pk)
+    recorder.record_usage(key.pk, 5, 3, 0, now=now)
+    recorder.flush(live_redis)
+    assert live_redis.get(QueueKeys(queue).persisted_minute) is None
+    with override_settings(SAMPLING_QUEUE=queue):
+        [fresh] = usage.usage_of_key(live_redis, key.pk, day, now)
+    assert (fresh.usage.prompt_tokens, fresh.usage.completion_tokens) == (5, 3)
+    assert fresh.usage.requests == {RequestOutcome.OK: 1}
+
+    housekeeping.persist_minutes(live_redis, queue, now + 120)  # this minute taken: a row
+    assert UsageMinute.objects.get(queue=queue).prompt_tokens == 5
+    for name in live_redis.scan_iter(f"{QueueKeys(queue).tag}:*"):  # Redis restarted empty
+        live_redis.delete(name)
+    recorder.record_usage(key.pk, 2, 1, 0, now=now)
+    recorder.flush(live_redis)
+    with override_settings(SAMPLING_QUEUE=queue):
+        [after] = usage.usage_of_key(live_redis, key.pk, day, now)
+    assert (after.usage.prompt_tokens, after.usage.completion_tokens) == (7, 4)
+    housekeeping.persist_minutes(live_redis, queue, now + 120)  # the marker again: the same sum
+    with override_settings(SAMPLING_QUEUE=queue):
+        [persisted] = usage.usage_of_key(live_redis, key.pk, day, now + 120)
+    assert (persisted.usage.prompt_tokens, persisted.usage.completion_tokens) == (7, 4)
