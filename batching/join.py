@@ -14,16 +14,10 @@ from typing import Any, cast
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import MovedError
+from redis.exceptions import MaxConnectionsError, MovedError
 
 from batching.keys import LaneKeys, ShardKeys
 from batching.ratelimit import RateCounter
-
-# What redis-py's BlockingConnectionPool raises when none of its connections comes free within
-# its timeout (POOL_WAIT_S): this process holds them all, the node is not away. Counted as a
-# node away, every fifth made the cluster client read the cluster's layout again and drop
-# the pools' free connections: under a load that keeps the pools busy, more load.
-POOL_EMPTY = "No connection available."
 
 
 def join(
@@ -83,9 +77,10 @@ def _join_on_node(
     except MovedError as moved:
         _learn(client, moved)
         return _send_packed(_pool_of(client, key), commands)
+    except MaxConnectionsError:  # a busy pool (batching.topology.WaitingPool): no news
+        raise
     except (redis.ConnectionError, redis.TimeoutError) as away:
-        if str(away) != POOL_EMPTY:  # a busy pool is no news of the cluster's layout
-            _learn(client, away)
+        _learn(client, away)
         raise
 
 

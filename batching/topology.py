@@ -13,7 +13,7 @@ from typing import Any, cast
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException
+from redis.exceptions import MaxConnectionsError, RedisClusterException
 from redis.retry import Retry
 
 # A cluster client gives up on a dead master at once (the node's shards answer 503), instead
@@ -28,6 +28,27 @@ CLUSTER_OPTIONS: dict[str, Any] = {
 # covered) when no master answers. Whoever turns an unreachable Redis into a 503 (or a loop's
 # "runs again") catches these.
 REDIS_FAULTS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+
+
+# What redis-py's BlockingConnectionPool raises when no connection came free within its wait.
+_NONE_CAME_FREE = "No connection available."
+
+
+class WaitingPool(redis.BlockingConnectionPool):
+    """A bounded pool that waits for a free connection (up to its `timeout`), and when none
+    came free raises MaxConnectionsError, not the plain ConnectionError of redis-py's
+    BlockingConnectionPool. A busy pool is no news of the cluster's layout: redis-py's
+    cluster client takes a ConnectionError for a master away, reads the layout again and drops
+    every free connection of the pool (more work for a process already too busy), and takes
+    MaxConnectionsError (a ConnectionError too: a 503 all the same) for what it is."""
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().get_connection(*args, **kwargs)
+        except redis.ConnectionError as exc:
+            if type(exc) is redis.ConnectionError and str(exc) == _NONE_CAME_FREE:
+                raise MaxConnectionsError(f"{_NONE_CAME_FREE} (waited {self.timeout} s)") from exc
+            raise
 
 
 def redis_client(url: str, cluster: bool = False, **options: Any) -> redis.Redis:

@@ -11,9 +11,9 @@ their own settings (workers.lifecycle).
 The pool is bounded: thousands of waiting requests share a few dozen connections, since a
 request holds one only for its single round trip. A request that finds every connection
 taken waits for one (up to POOL_WAIT_S, well within a deadline), on one server and on a
-cluster alike: redis-py's cluster client builds each master's pool from
-`connection_pool_class`, so it gets the same BlockingConnectionPool instead of its default
-pool, which raises MaxConnectionsError at the limit (503s under a load one Redis serves).
+cluster alike (batching.topology.WaitingPool): redis-py's cluster client builds each master's
+pool from `connection_pool_class`, so it gets the same waiting pool instead of its default
+pool, which refuses at the limit at once (503s under a load one Redis serves).
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ def connect(url: str, cluster: bool) -> redis.Redis:
             url,
             cluster=True,
             max_connections=MAX_CONNECTIONS_PER_PROCESS,
-            connection_pool_class=redis.BlockingConnectionPool,
+            connection_pool_class=topology.WaitingPool,
             timeout=POOL_WAIT_S,
             **{**options, "socket_connect_timeout": 0.5},
         )
-    pool = redis.BlockingConnectionPool.from_url(
+    pool = topology.WaitingPool.from_url(
         url, max_connections=MAX_CONNECTIONS_PER_PROCESS, timeout=POOL_WAIT_S, **options
     )
     return redis.Redis(connection_pool=pool)

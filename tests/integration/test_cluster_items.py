@@ -14,7 +14,7 @@ from redis.crc import key_slot
 from batching.aggregator import BatchAggregator
 from batching.keys import LaneKeys
 from batching.ratelimit import RateCounter
-from batching.topology import redis_client
+from batching.topology import WaitingPool, redis_client
 from inference_site.lib.embedded_cluster import EmbeddedCluster
 from tests.support import unique_queue
 
@@ -87,16 +87,18 @@ def test_a_request_whose_slot_moved_joins_on_its_new_master(cluster: EmbeddedClu
 
 def test_a_busy_pool_is_not_taken_for_a_master_away(cluster: EmbeddedCluster) -> None:
     """A web process whose pool of a master has no free connection within its wait refuses
-    the request (503), and leaves the cluster client's layout alone: counted as a master
-    away, every fifth such refusal read the layout again and dropped the pools' free
-    connections, more work for a process already too busy."""
+    the request (503), and leaves the cluster client's layout alone, on the append sent by
+    hand and on redis-py's own commands alike: taken for a master away, a busy pool made
+    redis-py read the layout again and drop the pools' free connections, more work for a
+    process already too busy."""
     client = redis_client(
-        cluster.url, cluster=True, max_connections=1,
-        connection_pool_class=redis.BlockingConnectionPool, timeout=0.05,
+        cluster.url, cluster=True, max_connections=1, connection_pool_class=WaitingPool,
+        timeout=0.05,
     )  # fmt: skip
     aggregator = BatchAggregator(client, unique_queue("busy"), shards=1)
     aggregator.append("E equals ", 500)  # the process's figures read: only the MULTI is left
-    pool = client.get_node_from_key(aggregator.shards[0].open_batch).redis_connection
+    pointer = aggregator.shards[0].open_batch
+    pool = client.get_node_from_key(pointer).redis_connection
     assert pool is not None
     held = pool.connection_pool.get_connection()  # another request's, for the whole test
     try:
@@ -104,8 +106,10 @@ def test_a_busy_pool_is_not_taken_for_a_master_away(cluster: EmbeddedCluster) ->
             client.nodes_manager, "initialize", wraps=client.nodes_manager.initialize
         ) as initialize:
             for _ in range(2 * client.reinitialize_steps):
-                with pytest.raises(redis.ConnectionError):
+                with pytest.raises(redis.ConnectionError):  # REDIS_FAULTS: a 503
                     aggregator.append("E equals ", 500)
+                with pytest.raises(redis.ConnectionError):
+                    client.get(pointer)  # redis-py's own path (a batch's close, its clock)
         assert initialize.call_count == 0
     finally:
         pool.connection_pool.release(held)
