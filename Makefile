@@ -9,7 +9,7 @@ SECRET := .secret_key
 # GPUs of the host docker-compose.yml is made for (`make compose GPUS=8`; 0: one CPU worker).
 GPUS ?= 2
 
-.PHONY: run test test-fast soak lint format typecheck bench bench-compare bench-model bench-openai compose audit clean
+.PHONY: run test test-fast soak lint format typecheck bench bench-compare bench-model bench-openai compose audit docs docs-serve clean
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt requirements-bench.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -80,5 +80,22 @@ audit:
 	then .venv-audit/bin/python .ci/audit.py; \
 	else echo "audit SKIPPED: pip-audit could not be installed (no package index?)"; fi
 
+# The documentation site (mkdocs.yml, docs/) into site/, in a virtualenv of its own
+# (requirements-docs.txt); --strict: a broken link or anchor, or any other warning, fails.
+DOCS_VENV := .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+
+$(DOCS_STAMP): requirements-docs.txt
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/pip install --quiet -r requirements-docs.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
+# The site on 127.0.0.1:8001, rebuilt as the pages change.
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs serve --strict --dev-addr 127.0.0.1:8001
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info
+	rm -rf $(VENV) $(DOCS_VENV) site .pytest_cache .ruff_cache .mypy_cache *.egg-info

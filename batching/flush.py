@@ -14,7 +14,7 @@ of this writer (a random id per process), kept in memory until Redis has applied
   housekeeping writes the minute's totals again (operations/housekeeping.py).
 
 At most MAX_UNSENT flushes wait in memory (Redis away that long): beyond, the oldest are
-dropped with an error logged (the loss bound of a Redis outage, README "Usage").
+dropped with an error logged (the loss bound of a Redis outage, docs/guides/usage.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The generating endpoints served straight to their views, past Django's middleware stack.
 
 A /sample costs its web process about 0.6 ms of CPU at most if one node is to carry what one
-GPU does (README, "Reliability"); Django's request machinery took ~0.4 ms of it: ten
+GPU does (docs/reliability.md); Django's request machinery took ~0.4 ms of it: ten
 middlewares (sessions, auth, CSRF, messages and the rest, which serve the admin), URL
 resolution, and the request_started/finished signals (which close database connections the
 request path never opens). The views of POST /sample, /v1/completions,

@@ -2,7 +2,8 @@
 
 gevent workers: a waiting request costs a greenlet, not a thread or a process, so one process
 holds thousands of waits while its CPU goes to the few microseconds each request needs
-(measured figures in README.md). WEB_CONCURRENCY processes x WEB_WORKER_CONNECTIONS waits.
+(measured figures in docs/benchmarks/frontend.md). WEB_CONCURRENCY processes x
+WEB_WORKER_CONNECTIONS waits.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ workers = env_int("WEB_CONCURRENCY", multiprocessing.cpu_count(), minimum=1)
 worker_connections = env_int("WEB_WORKER_CONNECTIONS", 2000, minimum=1)
 backlog = 4096
 # What a request's head may be (gunicorn's defaults, set here so that they are on record):
-# longer request lines get 414, more or longer header fields 431 (README, "Reliability").
+# longer request lines get 414, more or longer header fields 431 (docs/reliability.md).
 # Our URLs are short and clients send a few headers; a prompt travels in the body.
 limit_request_line = env_int("WEB_LIMIT_REQUEST_LINE", 4094, minimum=256, maximum=8190)
 limit_request_fields = env_int("WEB_LIMIT_REQUEST_FIELDS", 100, minimum=10, maximum=32768)

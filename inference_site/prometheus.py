@@ -4,7 +4,7 @@ The stock PrometheusAfterMiddleware updates about ten labelled series per reques
 transport, view+transport+method, status, status+view+method, charset, streaming, request and
 response body bytes, latency); in multiprocess mode each is a label lookup and a locked write
 to a memory-mapped file, which together cost more front-end CPU than this issue allowed
-(README, "Measured figures"). This one keeps:
+(docs/benchmarks/frontend.md). This one keeps:
 
 - django_http_requests_total_by_method_total{method}
 - django_http_responses_total_by_status_view_method_total{status, view, method}

@@ -2,7 +2,7 @@
 
 Every value comes from the environment through the typed helpers in inference_site.lib.env,
 so a bad value fails at start with ImproperlyConfigured naming the variable. Each setting is
-documented in README.md under "Configuration".
+documented in docs/reference/configuration.md.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ STATIC_URL = "static/"
 WHITENOISE_USE_FINDERS = True
 PROMETHEUS_EXPORT_MIGRATIONS = False
 
-# --- Behind a TLS-terminating proxy (README, "Deployment") -------------------------------
+# --- Behind a TLS-terminating proxy (docs/deployment/production.md) -------------------------------
 # On in production: the proxy (deploy/nginx/nginx.conf, an Ingress) terminates TLS and says
 # so in X-Forwarded-Proto. Django then trusts that header, sends the admin's cookies only
 # over HTTPS, redirects the admin's plain-HTTP pages to HTTPS and sets HSTS. Probes,
@@ -196,7 +196,7 @@ SAMPLING_QUEUE = env_name("SAMPLING_QUEUE", "sampling")
 SAMPLING_REQUIRE_API_KEY = env_bool("SAMPLING_REQUIRE_API_KEY", False)
 # Generating requests one web process holds at once; one more gets a fast 503 (sampling.
 # shedding). Size it to what the process's CPU can answer within a deadline: the deadline over
-# its CPU per request (README, "Reliability": 500 ms / 0.5 ms = 1,000; 300 at 1.6 ms).
+# its CPU per request (docs/reliability.md: 500 ms / 0.5 ms = 1,000; 300 at 1.6 ms).
 WEB_MAX_IN_FLIGHT = env_int("WEB_MAX_IN_FLIGHT", 1000, minimum=1)
 
 # The policy's defaults and bounds have one home: batching.policy.

@@ -78,7 +78,7 @@ INFO = {
     "version": "1",
     "description": "OpenAI-compatible completions, chat and models, a plain JSON inference "
     "API, and each key's usage. POST /sample (a raw prompt in, a plain-text completion out) is "
-    "documented in the README.",
+    "documented in docs/guides/api.md.",
 }
 
 

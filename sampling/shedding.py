@@ -9,13 +9,13 @@ process that cannot start a request's work in time refuses it at once, before an
   it the deadline counts: `submit` gets what is left, and admission refuses a request whose
   predicted wait exceeds that, mostly without a Redis call.
 - A request that has already waited its deadline less MIN_WORK_MS is refused.
-- A process holds at most WEB_MAX_IN_FLIGHT generating requests (README, "Reliability": the
+- A process holds at most WEB_MAX_IN_FLIGHT generating requests (docs/reliability.md: the
   sizing rule); one more is refused.
 
 Refusals are 503 + Retry-After, worded by each endpoint, counted as `rejected`, and by reason
 in `sampling_shed_requests_total`.
 
-Tried and left out (README, "Reliability"): estimating the wait before the view from the
+Tried and left out (docs/reliability.md): estimating the wait before the view from the
 gevent loop's lag, and refusing a share of requests that follows the loop's standing lag (as
 CoDel follows a queue's). On this 2-core bench both refused requests that the code without
 them served on time, and neither kept the goodput of a saturated node.

@@ -54,7 +54,8 @@ def smollm2() -> HFSampler:
 @pytest.fixture(scope="session")
 def database_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A migrated SQLite database with an admin account, shared by the stacks' processes,
-    made the way the README tells an operator to (manage.py migrate, createsuperuser)."""
+    made the way docs/operations/admin-and-statistics.md tells an operator to (manage.py
+    migrate, createsuperuser)."""
     url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'db.sqlite3'}"
     env = {**os.environ, "DATABASE_URL": url, "DJANGO_SUPERUSER_PASSWORD": ADMIN_PASSWORD}
     manage = [sys.executable, str(ROOT / "manage.py")]

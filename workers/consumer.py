@@ -2,10 +2,10 @@
 
 Celery's consumer retries a lost broker connection with kombu's default intervals: 2 s, then
 4, 6, 8... up to 30 s between tries. After a 30-second Redis outage a worker could sleep ten
-seconds more before it took tasks again, while the web processes were serving (README,
-"Reliability": full service within 2 s of Redis' return). Here the tries are 0.25 s apart
-at first and never more than 1 s apart: a refused connection costs a Redis that is down
-nothing, and a worker that is not consuming costs its GPU's whole share.
+seconds more before it took tasks again, while the web processes were serving
+(docs/reliability.md: full service within 2 s of Redis' return). Here the tries are 0.25 s
+apart at first and never more than 1 s apart: a refused connection costs a Redis that is
+down nothing, and a worker that is not consuming costs its GPU's whole share.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ BASELINES = "bench.baselines.settings"
 # Tuned on this machine at N = 1, 50/90/100% load (`--timer-ms`, `--flush-interval-ms`):
 # T = 200, 250, 300 ms gave 815, 917, 917 req/s at 90% with p99 515, 381, 404 ms; T + two
 # calls stays inside the deadline at 250. celery-batches gave 162, 196 and 190 req/s at 50%
-# with 50, 100 and 250 ms: its limit is elsewhere (README, "Benchmarks").
+# with 50, 100 and 250 ms: its limit is elsewhere (docs/benchmarks/compare.md).
 FLUSH_INTERVAL_MS = 100
 TIMER_MS = 250
 DESIGNS = [

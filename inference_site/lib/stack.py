@@ -278,7 +278,7 @@ class Supervisor:
 
 
 # A 135M-parameter model on a laptop CPU takes ~1 s for one prompt and ~9 s for a batch of
-# 100 (README, "Measured figures"): the GPU's 500 ms deadline cannot hold. Without a GPU,
+# 100 (docs/benchmarks/model.md): the GPU's 500 ms deadline cannot hold. Without a GPU,
 # `make run` serves the real model with these instead, unless they are set. The call timeout
 # too: a CPU call's time grows with its batch, so 10 x the estimate (of calls mostly small at
 # low load) could cut off a full batch that is merely slow.

@@ -1,6 +1,6 @@
 """A raw-socket fuzzer against the real front end: 5,000 generated malformed requests (and
 slow, half-finished ones) crash nothing, restart nothing, get no 500 and only the statuses
-the README documents, leave memory bounded, and a normal request right after is served."""
+docs/reliability.md documents, leave memory bounded, and a normal request right after is served."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 CASES = 5000
 SLOW_CASES = 60
 SEED = 20261124
-# What malformed traffic may get (README, "Reliability"): gunicorn's parser refusals, the
+# What malformed traffic may get (docs/reliability.md): gunicorn's parser refusals, the
 # views' own 4xx, the service's 503/504, and 200 for what was well-formed after all.
 DOCUMENTED_STATUSES = {
     200: "a request that was well-formed after all (HTTP/1.0, pipelined, an absolute-form URI)",

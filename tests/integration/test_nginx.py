@@ -137,7 +137,8 @@ def test_slow_clients_cost_nginx_not_gunicorn(stack: Stack, nginx: Nginx) -> Non
     """3,000 slow connections: through nginx every /sample request is still answered within
     its deadline and gunicorn holds only the requests in flight; straight to gunicorn they take
     its 2,000 connections, and requests fail or wait far past their deadline. How much the p99
-    moves is a figure for `python -m bench slowloris` (medians of repeated runs, in the README),
+    moves is a figure for `python -m bench slowloris` (medians of repeated runs, in
+    docs/deployment/index.md),
     not for one 10 s run on 2 shared cores, where the slow clients' own events compete for the
     CPU. The stack serves a second of the load in full before the first measure: processes
     that earlier tests left exiting on the same cores are not what this test measures."""

@@ -22,7 +22,8 @@ from planning import simulation
 from planning.costs import MEASURED, MEASURED_SHARD
 
 # Front-end CPU per /sample request, measured by `make bench-compare` (docs/benchmarks:
-# ours at 90% load, N = 1, 2026-11-21) on the 2-core machine that README's figures come from.
+# ours at 90% load, N = 1, 2026-11-21) on the 2-core machine that docs/benchmarks' figures
+# come from.
 MEASURED_WEB_CPU_MS = 0.64
 TABLE_RATES = [1_000, 10_000, 20_000, 50_000, 100_000]
 
