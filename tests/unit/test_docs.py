@@ -5,10 +5,14 @@ pages)."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import re
 from pathlib import Path
 
 import yaml
+
+from batching.problems import Problem
 
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
@@ -44,3 +48,175 @@ def test_every_page_is_in_the_navigation() -> None:
     pages = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
     assert pages - nav == set()
     assert nav - pages == set()
+
+
+# Read by the service but not settings of an operator's: the WSGI environment's PATH_INFO,
+# and the directory where the test and benchmark stacks learn that every web process booted.
+NOT_SETTINGS = {"PATH_INFO", "WEB_READY_DIR"}
+SERVICE_PACKAGES = ["inference_site", "sampling", "workers", "batching", "operations", "planning"]
+CONFIGURATION_PAGE = ROOT / "docs" / "reference" / "configuration.md"
+
+
+def _settings_read() -> dict[str, str]:
+    """Every environment variable the service's code reads, with a file that reads it: the
+    first argument of inference_site.lib.env's readers (and of the settings' policy readers),
+    of os.environ.get and os.getenv, and os.environ[...]."""
+    found: dict[str, str] = {}
+    files = [path for package in SERVICE_PACKAGES for path in (ROOT / package).rglob("*.py")]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.Call) and node.args:
+                function = ast.unparse(node.func)
+                reader = function.rsplit(".", 1)[-1]
+                if reader.startswith(("env_", "_policy_")) or function in (
+                    "os.environ.get", "environ.get", "os.getenv",
+                ):  # fmt: skip
+                    name = node.args[0]
+            elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
+                name = node.slice
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                found.setdefault(name.value, str(path.relative_to(ROOT)))
+    return found
+
+
+def _settings_documented() -> set[str]:
+    """The names in the first cell of each row of the configuration reference's tables."""
+    names: set[str] = set()
+    for line in CONFIGURATION_PAGE.read_text().splitlines():
+        if line.startswith("| `"):
+            first_cell = line.split("|")[1]
+            names.update(re.findall(r"`([A-Z][A-Z0-9_]+)`", first_cell))
+    return names
+
+
+def test_every_setting_the_code_reads_is_in_the_configuration_reference() -> None:
+    read = _settings_read()
+    assert len(read) > 30  # the scan found the settings module's readers
+    undocumented = {name: path for name, path in read.items() if name not in NOT_SETTINGS}
+    for name in _settings_documented():
+        undocumented.pop(name, None)
+    assert undocumented == {}
+
+
+def test_every_documented_setting_is_read_by_the_code() -> None:
+    assert _settings_documented() - set(_settings_read()) == set()
+
+
+ERRORS_PAGE = ROOT / "docs" / "reference" / "errors.md"
+
+
+def _error_names_in_code() -> set[str]:
+    """Every error type and code the API can answer: the table of problems, and the constants
+    the request checks pass as a code or an error type (`code=`, a `code` parameter's default,
+    openai_error's type and code, an `..._error` type literal)."""
+    names: set[str] = set()
+    for problem in Problem:
+        names.update((problem.openai_type, problem.openai_code, problem.inference_error))
+    for package in ("sampling", "operations", "inference_site"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names.update(_error_names_of(node))
+    return names
+
+
+def _error_names_of(node: ast.AST) -> set[str]:
+    values: list[ast.expr | None] = []
+    if isinstance(node, ast.Call):
+        values += [k.value for k in node.keywords if k.arg in ("code", "error_type")]
+        if ast.unparse(node.func).endswith("openai_error"):
+            values += node.args[2:5:2]
+    elif isinstance(node, ast.arguments):
+        positional = reversed(node.posonlyargs + node.args)
+        defaults = zip(positional, reversed(node.defaults), strict=False)
+        keywords = zip(node.kwonlyargs, node.kw_defaults, strict=True)
+        values += [default for arg, default in [*defaults, *keywords] if arg.arg == "code"]
+    elif isinstance(node, ast.Constant) and re.fullmatch(r"[a-z]+_error", str(node.value)):
+        values.append(node)
+    return {v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)}
+
+
+def test_every_error_code_and_status_is_in_the_errors_reference() -> None:
+    page = ERRORS_PAGE.read_text()
+    documented = set(re.findall(r"`([A-Za-z_]+)`", page))
+    names = _error_names_in_code()
+    assert {"invalid_json", "unknown_url", "not_found_error"} <= names  # the scan sees them
+    assert names - documented == set()
+    statuses = set(re.findall(r"^\| (\d{3}) \|", page, flags=re.M))
+    assert {str(problem.status) for problem in Problem} - statuses == set()
+
+
+def _documents() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _code_lines(text: str) -> list[str]:
+    """What the page shows as code: inline code spans, fenced blocks and indented lines."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif fenced or line.startswith("    "):
+            lines.append(line)
+        else:
+            lines += re.findall(r"`([^`]+)`", line)
+    return lines
+
+
+def _module_sources(module: str) -> str:
+    """The source of a module, or of every file of a package."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None, module
+    assert spec.origin is not None, module
+    origin = Path(spec.origin)
+    files = sorted(origin.parent.rglob("*.py")) if origin.name == "__init__.py" else [origin]
+    return "\n".join(path.read_text() for path in files)
+
+
+def _commands_named() -> dict[str, set[str]]:
+    """Each `python -m MODULE`, `python -m bench NAME` and `manage.py COMMAND` the documents
+    show, as the module that runs it, with the flags shown beside it."""
+    found: dict[str, set[str]] = {}
+    for document in _documents():
+        for line in _code_lines(document.read_text()):
+            for match in re.finditer(
+                r"python -m ([\w.]+)(?: ([a-z_]+))?|manage\.py ([a-z_]+)", line
+            ):
+                module, name, command = match.groups()
+                if command is not None:
+                    module = _management_command(command)
+                elif module == "bench" and name is not None:
+                    module = f"bench.{name}"
+                rest = line[match.end() :].split("python -m", 1)[0].split("manage.py", 1)[0]
+                found.setdefault(module, set()).update(re.findall(r"(--[a-z][a-z-]*)", rest))
+    return found
+
+
+def _management_command(command: str) -> str:
+    for app in ("operations", "planning", "sampling", "inference_site"):
+        if (ROOT / app / "management" / "commands" / f"{command}.py").exists():
+            return f"{app}.management.commands.{command}"
+    return f"django.core.management.commands.{command}"
+
+
+def test_every_make_target_the_documents_name_exists() -> None:
+    targets = set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), flags=re.M))
+    named = {target for document in _documents()
+             for line in _code_lines(document.read_text())
+             for target in re.findall(r"(?:^|\s|;)make ([a-z][\w-]*)", line)}  # fmt: skip
+    assert {"run", "test", "docs"} <= named
+    assert named - targets == set()
+
+
+def test_every_module_and_flag_the_documents_name_exists() -> None:
+    commands = _commands_named()
+    assert "bench.farm" in commands  # the scan sees the benchmarks' commands
+    wrong = {}
+    for module, flags in commands.items():
+        if module in ("pytest", "gunicorn", "pip") or module.startswith("django."):
+            continue  # third-party commands
+        source = _module_sources(module)
+        unknown = {flag for flag in flags - {"--help"} if f'"{flag}"' not in source}
+        if unknown:
+            wrong[module] = unknown
+    assert wrong == {}
