@@ -229,6 +229,42 @@ def test_metrics_totals_across_processes_and_workers(ops: Stack) -> None:
     assert delta("django_http_requests_total_by_method_total", method="POST") == ok + bad
 
 
+# Metrics that get their first sample only from an event this traffic does not make: a
+# request shed before Redis, a failing batch. Each is declared in code (checked below), and
+# documented.
+EVENT_ONLY = {"sampling_shed_requests_total", "sampling_batch_failures_total"}
+METRICS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "metrics.md"
+
+
+def test_the_metrics_reference_lists_what_metrics_exposes(ops: Stack) -> None:
+    """Every sampling_* family, and each django_http_* one kept, that /metrics exposes after
+    requests of several outcomes and a worker's batches is in the metrics reference, and
+    every metric the reference lists is exposed (or is one of EVENT_ONLY)."""
+    burst(ops, 5, "reference")
+    assert sample(ops.base_url, b"").status == 400
+
+    def families() -> set[str]:
+        reply = request(ops.base_url, "/metrics", method="GET")
+        names = {
+            family.name + ("_total" if family.type == "counter" else "")
+            for family in text_string_to_metric_families(reply.body)
+            if family.samples
+        }
+        return names if "sampling_batches_total" in names else set()
+
+    exposed = wait_until(families, 10, "a scrape with the worker's batches")
+    exposed = {name for name in exposed if name.startswith(("sampling_", "django_http_"))}
+    documented = set(re.findall(r"^\| `(\w+)` \|", METRICS_PAGE.read_text(), flags=re.M))
+    assert exposed - documented == set()
+    assert documented - exposed == EVENT_ONLY
+    root = Path(__file__).resolve().parents[2]
+    declared = (root / "sampling" / "metrics.py").read_text()
+    declared += (root / "workers" / "metrics.py").read_text()
+    assert {
+        name for name in EVENT_ONLY if f'"{name.removesuffix("_total")}"' not in declared
+    } == set()
+
+
 @pytest.fixture(scope="module")
 def quiet(start_stack: Callable[..., Stack]) -> Stack:
     """A queue of its own for the stats page: only its test's traffic is in its statistics,

@@ -91,7 +91,7 @@ def test_the_prometheus_configuration_loads_the_rules(promtool: str) -> None:
 def test_the_rules_and_the_dashboard_use_documented_metrics() -> None:
     """Every sampling_* series the rules and the Grafana dashboard read is a metric of the
     metrics reference (a histogram's _bucket, _sum and _count, a counter's _total)."""
-    page = (ROOT / "docs" / "operations" / "admin-and-statistics.md").read_text()
+    page = (ROOT / "docs" / "reference" / "metrics.md").read_text()
     documented = set(re.findall(r"^\| `(sampling_\w+)` \|", page, flags=re.M))
     dashboard = ROOT / "deploy" / "grafana" / "sampling-dashboard.json"
     used = set(re.findall(r"\bsampling_\w+", RULES.read_text() + dashboard.read_text()))
