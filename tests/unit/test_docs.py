@@ -220,3 +220,36 @@ def test_every_module_and_flag_the_documents_name_exists() -> None:
         if unknown:
             wrong[module] = unknown
     assert wrong == {}
+
+
+# Pages that report a measurement: their command, machine and date lines name commits and
+# dates (so does the changelog, CHANGELOG.md, included by docs/changelog.md).
+MEASUREMENT_PAGES = ("docs/benchmarks/", "docs/gpu-report.md")
+WORK_ITEM = re.compile(r"\bissues? \d+|\b(this|the) issue\b|\bwork item", re.I)
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def _prose(text: str) -> str:
+    """The text but its code: fenced and indented blocks, inline code spans (example values
+    such as a request's ?date= are code)."""
+    kept, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and not line.startswith("    "):
+            kept.append(re.sub(r"`[^`]*`", "", line))
+    return "\n".join(kept)
+
+
+def test_no_page_names_a_work_item_and_only_measurements_name_commits_and_dates() -> None:
+    found = {}
+    for document in _documents():
+        name = str(document.relative_to(ROOT))
+        text = document.read_text()
+        wrong = [match.group(0) for match in WORK_ITEM.finditer(text)]
+        if not name.startswith(MEASUREMENT_PAGES):
+            wrong += [m.group(0) for m in COMMIT.finditer(text)] + DATE.findall(_prose(text))
+        if wrong:
+            found[name] = wrong
+    assert found == {}
