@@ -1,0 +1,125 @@
+"""The quickstart page's commands as a newcomer runs them, copied from the page: `make run`
+with the simulated sampler, then the page's curl line and its `openai` snippet, each
+answering what the page shows. The only change to what the page says is the port: the page
+says 8000, the test takes a free one (PORT, which `make run` reads)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.http import request
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "getting-started" / "quickstart.md"
+PAGE_PORT = "localhost:8000"
+
+
+def _section(title: str) -> str:
+    text = PAGE.read_text()
+    return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _indented_blocks(text: str) -> list[list[str]]:
+    blocks: list[list[str]] = []
+    previous = ""
+    for line in text.splitlines():
+        if line.startswith("    "):
+            if not previous.startswith("    "):
+                blocks.append([])
+            blocks[-1].append(line[4:])
+        previous = line
+    return blocks
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`make run` as the page says, with the simulated sampler (the page's outputs are its)."""
+    commands = _indented_blocks(_section("Two commands"))[0]
+    run = next(line.split("#", 1)[0].strip() for line in commands if line.startswith("make run"))
+    assert run == "make run"
+    port = _free_port()
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith(("REDIS_", "SAMPLING_", "CELERY_"))}  # fmt: skip
+    database = tmp_path_factory.mktemp("quickstart") / "db.sqlite3"
+    env |= {"SAMPLER": "simulated", "PORT": str(port), "WEB_CONCURRENCY": "1",
+            "DATABASE_URL": f"sqlite:///{database}"}  # fmt: skip
+    log = (tmp_path_factory.mktemp("quickstart-log") / "make-run.log").open("wb")
+    process = subprocess.Popen(
+        run.split(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            assert process.poll() is None, Path(log.name).read_text()
+            try:
+                return request(base_url, "/readyz", method="GET").status == 200
+            except OSError:
+                return False
+
+        wait_until(ready, 120, "make run serving, with a live worker")
+        yield f"localhost:{port}"
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as the page says
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+def test_the_curl_line_answers_what_the_page_shows(served: str) -> None:
+    [command, shown] = _indented_blocks(_section("First requests"))[0]
+    assert command.startswith("curl")
+    assert PAGE_PORT in command
+    done = subprocess.run(  # noqa: S602 - the page's own command line
+        command.replace(PAGE_PORT, served), shell=True, capture_output=True, text=True,
+        check=True, timeout=30,
+    )  # fmt: skip
+    assert done.stdout.strip() == shown.strip()
+
+
+def test_the_openai_snippet_prints_what_the_page_shows(served: str) -> None:
+    code = _section("First requests").split("```python\n", 1)[1].split("```", 1)[0]
+    shown = re.findall(r"print\(.*\)\s+# (.+?) \(", code)
+    assert shown  # the page shows what the snippet prints
+    done = subprocess.run(
+        [sys.executable, "-c", code.replace(PAGE_PORT, served)], capture_output=True,
+        text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == shown
+
+
+def test_the_api_guides_openai_snippet_runs(served: str) -> None:
+    """The API guide's `openai` snippet (completions, chat with its settings, a stream), as
+    written, against the simulated stack: every call answered."""
+    page = (ROOT / "docs" / "guides" / "api.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    assert PAGE_PORT in code
+    done = subprocess.run(
+        [sys.executable, "-c", code.replace(PAGE_PORT, served)], capture_output=True,
+        text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()  # the stream's text
