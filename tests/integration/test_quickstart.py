@@ -5,6 +5,7 @@ says 8000, the test takes a free one (PORT, which `make run` reads)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -123,3 +124,26 @@ def test_the_api_guides_openai_snippet_runs(served: str) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()  # the stream's text
+
+
+def test_the_api_guides_curl_line_answers_what_the_page_shows(served: str) -> None:
+    """The API guide's curl lines before its note that their completions are the simulated
+    sampler's: each answer equals the one shown but for its id and creation time."""
+    page = (ROOT / "docs" / "guides" / "api.md").read_text()
+    simulated = page.split("are the simulated sampler's", 1)[0]
+    checked = 0
+    for block in _indented_blocks(simulated):
+        if not block[0].startswith("curl"):
+            continue
+        ends = next(i for i, line in enumerate(block) if not line.endswith("\\"))
+        command, shown = "\n".join(block[: ends + 1]), json.loads("".join(block[ends + 1 :]))
+        done = subprocess.run(  # noqa: S602 - the page's own command line
+            command.replace(PAGE_PORT, served), shell=True, capture_output=True, text=True,
+            check=True, timeout=30,
+        )  # fmt: skip
+        answer = json.loads(done.stdout)
+        for varying in ("id", "created"):
+            assert type(answer.pop(varying)) is type(shown.pop(varying))
+        assert answer == shown
+        checked += 1
+    assert checked
