@@ -9,7 +9,7 @@ SECRET := .secret_key
 # GPUs of the host docker-compose.yml is made for (`make compose GPUS=8`; 0: one CPU worker).
 GPUS ?= 2
 
-.PHONY: run test test-fast soak lint format typecheck bench bench-compare bench-model bench-openai compose audit docs docs-serve clean
+.PHONY: run test test-fast soak lint typecheck bench bench-compare bench-model bench-openai compose audit docs docs-serve clean
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt requirements-bench.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
