@@ -10,6 +10,12 @@ The same figure is the stats page's advice and the Prometheus gauges
 `sampling_gpus_recommended` / `sampling_gpus_live` that an autoscaler (KEDA, an HPA on an
 external metric) scales the workers on: `observed` reads it from a queue's last minute.
 
+The rate planned for is the minute's busiest PEAK_WINDOW_S seconds, not its mean: a minute
+with 20 s at 130% of one GPU's limit and 40 s at half of it averages under the limit, but its
+burst refused requests (a 503 counts as demand). A burst so keeps the recommendation up for a
+minute after it ends: scale-up follows demand within seconds, scale-down waits a minute (and
+then the autoscaler's own stabilisation window).
+
 Django-free: plain numbers (or a Redis client and a queue) in, a Recommendation out.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import redis
@@ -26,6 +33,7 @@ from batching.aggregator import BatchAggregator
 from batching.policy import Policy
 
 RECENT_S = 60  # the window of the recommendation (and of the stats page's headline figures)
+PEAK_WINDOW_S = 10  # the recommendation plans for the busiest this many seconds of the window
 
 OVER = "over-provisioned"
 UNDER = "under-provisioned"
@@ -43,6 +51,12 @@ class Recommendation:
     needed_gpus: int
     mean_batch: float | None
     deadline_ms: int
+    peak_rps: float | None = None  # the busiest PEAK_WINDOW_S seconds' demand, where known
+
+    @property
+    def planned_rps(self) -> float:
+        """The rate the GPUs are counted for: the peak, or the mean without one."""
+        return max(self.rate_rps, self.peak_rps or 0.0)
 
     @property
     def per_gpu_rps(self) -> float:
@@ -51,7 +65,7 @@ class Recommendation:
 
     @property
     def verdict(self) -> str:
-        if self.rate_rps <= 0:
+        if self.planned_rps <= 0:
             return IDLE
         if self.live_gpus > self.needed_gpus:
             return OVER
@@ -66,6 +80,8 @@ class Recommendation:
             return f"no traffic with {gpus}: 1 GPU is enough to stay available"
         batch = f"average batch {self.mean_batch:,.0f}" if self.mean_batch is not None else ""
         head = f"{batch} with {gpus} at {self.rate_rps:,.0f} req/s".strip()
+        if round(self.planned_rps) > round(self.rate_rps):
+            head += f" (the busiest {PEAK_WINDOW_S} s: {self.planned_rps:,.0f} req/s)"
         surplus = self.live_gpus - self.needed_gpus
         if surplus > 0:
             advice = f"{_plural(surplus, 'GPU')} could be released"
@@ -104,24 +120,43 @@ def recommend(
     live_gpus: int,
     deadline_ms: int,
     mean_batch: float | None = None,
+    peak_rps: float | None = None,
 ) -> Recommendation:
+    planned_rps = max(rate_rps, peak_rps or 0.0)
     return Recommendation(
         rate_rps=rate_rps,
         sampler_ms=sampler_ms,
         max_batch_size=max_batch_size,
         fill_target_percent=fill_target_percent,
         live_gpus=live_gpus,
-        needed_gpus=needed_gpus(rate_rps, sampler_ms, max_batch_size, fill_target_percent),
+        needed_gpus=needed_gpus(planned_rps, sampler_ms, max_batch_size, fill_target_percent),
         mean_batch=mean_batch,
         deadline_ms=deadline_ms,
+        peak_rps=peak_rps,
     )
 
 
 def recent_summary(client: redis.Redis, queue: str, now: float | None = None) -> stats.Summary:
-    """The queue's last RECENT_S whole seconds, summed over every process and worker."""
+    """The queue's last RECENT_S whole seconds, summed over every process and worker, with
+    the demand rate of their busiest PEAK_WINDOW_S."""
     current = int(time.time() if now is None else now)
     minute = stats.read_buckets(client, queue, stats.SECOND, current - RECENT_S, current)
-    return stats.Summary(stats.merge(counts for _, counts in minute), RECENT_S)
+    seconds = [counts for _, counts in minute]
+    return stats.Summary(stats.merge(seconds), RECENT_S, peak_demand_rps=peak_demand(seconds))
+
+
+def peak_demand(seconds: list[Counter[str]], window_s: int = PEAK_WINDOW_S) -> float:
+    """The highest demand rate over `window_s` consecutive seconds of `seconds` (each one
+    second's counts, in order); over all of them when there are fewer."""
+    demand = [stats.Summary(counts, 1).demand_rate() for counts in seconds]
+    window_s = max(1, min(window_s, len(demand)))
+    if not demand:
+        return 0.0
+    total = best = sum(demand[:window_s])
+    for i in range(window_s, len(demand)):
+        total += demand[i] - demand[i - window_s]
+        best = max(best, total)
+    return best / window_s
 
 
 def from_traffic(
@@ -134,6 +169,7 @@ def from_traffic(
         sampler_ms = aggregator.batch_log.published_turn_ms()
     return recommend(
         rate_rps=recent.demand_rate(),
+        peak_rps=recent.peak_demand_rps,
         sampler_ms=sampler_ms or 1.0,
         max_batch_size=policy.max_batch_size,
         fill_target_percent=policy.fill_target_percent,

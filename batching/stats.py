@@ -292,10 +292,12 @@ def merge(buckets: Iterable[Mapping[str, int]]) -> Counter[str]:
 
 @dataclass(frozen=True)
 class Summary:
-    """Figures of one window of summed counters."""
+    """Figures of one window of summed counters; `peak_demand_rps`, where known, the demand
+    rate of the window's busiest stretch (batching.recommendation)."""
 
     counts: Counter[str]
     seconds: float
+    peak_demand_rps: float | None = None
 
     def requests(self, outcome: RequestOutcome | None = None) -> int:
         if outcome is not None:

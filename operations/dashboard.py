@@ -17,7 +17,12 @@ from batching import stats
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
-from batching.recommendation import Recommendation, from_traffic, recent_summary
+from batching.recommendation import (
+    PEAK_WINDOW_S,
+    Recommendation,
+    from_traffic,
+    recent_summary,
+)
 from batching.registry import HEARTBEAT_TIMEOUT_MS
 from operations import charts
 
@@ -90,6 +95,8 @@ class Dashboard:
     charts: list[str] = field(default_factory=list)
     tiers: list[TierRow] = field(default_factory=list)
     saved_version: int | None = None  # the saved policy's version; None: `policy`'s
+
+    peak_window_s: int = PEAK_WINDOW_S  # the stretch the recommendation plans for
 
     @property
     def disagreeing_workers(self) -> list[WorkerRow]:

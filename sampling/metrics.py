@@ -138,7 +138,7 @@ class CapacityCollector:
         advice = observed(self.client, self.queue, self.policy)
         recommended = GaugeMetricFamily(
             "sampling_gpus_recommended",
-            "GPUs (workers) the last minute's demand needs at the policy's batch fill target",
+            "GPUs (workers) the demand of the last minute's busiest 10 s needs at the fill target",
             labels=["queue"],
         )
         recommended.add_metric([self.queue], advice.needed_gpus)

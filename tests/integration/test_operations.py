@@ -308,10 +308,10 @@ def test_stats_page_shows_the_traffic(quiet: Stack, tmp_path: Path) -> None:
     for series in ("ok", "fill", "p99", "busy"):
         assert f'class="series" data-series="{series}"' in page, series
 
-    # The recommendation: the fewest GPUs for the last minute's rate, by hand.
+    # The recommendation: the fewest GPUs for the last minute's busiest 10 s, by hand.
     advice = board.recommendation
     by_hand = math.ceil(
-        advice.rate_rps * advice.sampler_ms / 1000
+        advice.planned_rps * advice.sampler_ms / 1000
         / (advice.max_batch_size * advice.fill_target_percent / 100)
     )  # fmt: skip
     assert advice.needed_gpus == max(1, by_hand)

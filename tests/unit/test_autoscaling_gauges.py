@@ -14,7 +14,8 @@ from batching import stats
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
-from batching.recommendation import RECENT_S
+from batching.recommendation import RECENT_S, RIGHT, UNDER
+from operations import dashboard
 from sampling.metrics import exposition
 from tests.support import unique_queue
 
@@ -103,3 +104,54 @@ def test_a_worker_that_leaves_leaves_the_live_gauge(redis_client: redis.Redis) -
     assert gauges(redis_client, queue, policy)["sampling_gpus_live"] == 2
     aggregator.workers.forget("leaving")  # as a worker stopping says so
     assert gauges(redis_client, queue, policy)["sampling_gpus_live"] == 1
+
+
+def feed_seconds(
+    client: redis.Redis, queue: str, now: int, per_second: dict[int, tuple[int, int]]
+) -> None:
+    """Seconds of one simulated GPU's traffic (100 ms calls, full batches of its served
+    requests): `per_second[offset]` = (answered, refused with a 503), the second now + offset."""
+    with client.pipeline(transaction=False) as pipe:
+        for offset, (ok, refused) in per_second.items():
+            counts = {"req:" + RequestOutcome.OK: ok, "req:" + RequestOutcome.REJECTED: refused}
+            for _ in range(10):  # ten calls a second, each of a tenth of the answered
+                batch = stats.batch_counts(
+                    worker="w", size=ok // 10, expired=0, queue_wait_ms=5, sampler_ms=100,
+                    calls=1, max_batch_size=100,
+                )  # fmt: skip
+                for name, value in batch.items():
+                    counts[name] = counts.get(name, 0) + value
+            stats.add_counts(pipe, queue, now + offset, counts)
+        pipe.execute()
+
+
+HALF = (500, 0)  # half of one GPU's limit (1,000 req/s: 100 per call of 100 ms)
+BURST = (1_000, 300)  # 130% of it: the limit answered, the rest refused (503)
+
+
+@pytest.mark.parametrize(
+    ("burst", "by_hand"),
+    [
+        # The last 8 s of the minute at 130%: its busiest 10 s (2 at half, 8 at 130%) ask
+        # (2 x 500 + 8 x 1,300) / 10 = 1,140 req/s, x 0.1 s / (100 x 90%) = 1.27: 2 GPUs.
+        (range(-8, 0), 2),
+        # 20 s at 130% that ended 10 s ago: 1,300 x 0.1 / 90 = 1.44, 2 GPUs a minute long,
+        # where the minute's mean (40 s at 500, 20 at 1,300: 767 req/s) reads 1, right-sized.
+        (range(-30, -10), 2),
+        # No burst: the same GPU at half its limit is right-sized.
+        (range(0), 1),
+    ],
+)  # fmt: skip
+def test_a_burst_inside_a_lighter_minute_asks_for_the_gpus_it_needed(
+    redis_client: redis.Redis, burst: range, by_hand: int
+) -> None:
+    queue, policy = unique_queue("burst"), Policy(max_batch_size=100, fill_target_percent=90)
+    now = int(time.time())
+    seconds = {offset: BURST if offset in burst else HALF for offset in range(-RECENT_S - 1, 2)}
+    feed_seconds(redis_client, queue, now, seconds)
+    BatchAggregator(redis_client, queue).workers.heartbeat("the one GPU")
+    assert gauges(redis_client, queue, policy)["sampling_gpus_recommended"] == by_hand
+    board = dashboard.build(redis_client, queue, policy, now=now + 0.5)
+    assert board.recommendation.needed_gpus == by_hand
+    assert board.recommendation.verdict == (UNDER if by_hand > 1 else RIGHT)
+    assert board.recommendation.rate_rps < 900  # the minute's mean alone reads right-sized

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from batching.recommendation import IDLE, OVER, RIGHT, UNDER, needed_gpus, recommend
+from collections import Counter
+
+from batching.recommendation import (
+    IDLE,
+    OVER,
+    RIGHT,
+    UNDER,
+    needed_gpus,
+    peak_demand,
+    recommend,
+)
+from batching.stats import CACHE_HITS
 
 
 def test_the_issue_example_by_hand() -> None:
@@ -50,3 +61,23 @@ def test_a_call_longer_than_the_deadline_is_called_out() -> None:
         live_gpus=1, deadline_ms=500,
     )  # fmt: skip
     assert "more GPUs will not meet it" in advice.message
+
+
+def test_the_peak_is_the_busiest_window_of_demand() -> None:
+    def second(ok: int, bad: int = 0, cached: int = 0) -> Counter[str]:
+        return Counter({"req:ok": ok, "req:bad_request": bad, CACHE_HITS: cached})
+
+    # Refused before any batch (bad requests) and cache hits ask no GPU: not demand.
+    seconds = [second(1), second(1, bad=50), second(9, cached=4), second(11), second(1)]
+    assert peak_demand(seconds, window_s=2) == (5 + 11) / 2
+    assert peak_demand(seconds, window_s=10) == (1 + 1 + 5 + 11 + 1) / 5  # fewer seconds
+    assert peak_demand([], window_s=10) == 0.0
+
+
+def test_the_peak_is_planned_for_and_said() -> None:
+    advice = recommend(
+        rate_rps=767, peak_rps=1_300, sampler_ms=100, max_batch_size=100,
+        fill_target_percent=90, live_gpus=1, deadline_ms=500,
+    )  # fmt: skip
+    assert (advice.needed_gpus, advice.verdict, advice.planned_rps) == (2, UNDER, 1_300)
+    assert "at 767 req/s (the busiest 10 s: 1,300 req/s): 1 more GPU needed" in advice.message
