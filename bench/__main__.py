@@ -28,6 +28,7 @@ BENCHMARKS = (
     "append_cost",
     "shard_ceiling",
     "farm",
+    "burst",
 )
 # Benchmarks whose measurements run on gevent: patched before anything else is imported.
 GEVENT = {"frontend"}
