@@ -21,12 +21,12 @@ import functools
 import sys
 import threading
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 from bench.harness import loadgen
 from bench.harness.machine import describe_machine
+from bench.harness.procstat import metric_samples
 from bench.harness.stack import Stack, new_queue, simulated_env, simulated_stack
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from workers.samplers.simulated import expected_completion
@@ -47,12 +47,8 @@ def _prompt(phase: str, index: int) -> str:
 
 
 def _gauge(stack: Stack) -> float | None:
-    url = f"http://127.0.0.1:{stack.port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith("sampling_gpus_recommended{"):
-                return float(line.rsplit(" ", 1)[1])
-    return None
+    samples = metric_samples(stack.port, "sampling_gpus_recommended")
+    return samples[0][1] if samples else None
 
 
 def _poll(stack: Stack, readings: list[tuple[float, float]], stop: threading.Event) -> None:

@@ -96,7 +96,10 @@ class Dashboard:
     tiers: list[TierRow] = field(default_factory=list)
     saved_version: int | None = None  # the saved policy's version; None: `policy`'s
 
-    peak_window_s: int = PEAK_WINDOW_S  # the stretch the recommendation plans for
+    @property
+    def peak_window_s(self) -> int:
+        """The stretch of the last minute the recommendation plans for."""
+        return PEAK_WINDOW_S
 
     @property
     def disagreeing_workers(self) -> list[WorkerRow]:

@@ -61,7 +61,7 @@ def usage_of_key(client: redis.Redis, key_id: int, day: date, now_s: float) -> l
         usage = _usage_in_queue(client, QueueKeys(queue), key_id, (start, end), now_s)
         if usage is None:  # the marker was set while it read: read again, by the marker
             usage = _usage_in_queue(client, QueueKeys(queue), key_id, (start, end), now_s)
-        if usage and (usage.requests or usage.prompt_tokens or usage.completion_tokens):
+        if usage is not None and (usage.requests or usage.prompt_tokens or usage.completion_tokens):
             found[queue] = usage
     return [ModelUsage(queue, usage) for queue, usage in sorted(found.items())]
 

@@ -79,17 +79,26 @@ def redis_commands(client: redis.Redis) -> int:
     return sum(stat["calls"] for stat in client.info("commandstats").values())
 
 
+def metric_samples(port: int, family: str) -> list[tuple[str, float]]:
+    """The samples of a metric `family` on the web process at `port` (/metrics): each
+    sample's labels as written (`{reason="late"}`, or "" without labels) and its value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = []
+    for line in text.splitlines():
+        if line.startswith((family + "{", family + " ")):
+            name_labels, value = line.rsplit(" ", 1)
+            samples.append((name_labels[len(family) :], float(value)))
+    return samples
+
+
 def shed_counts(ports: list[int]) -> dict[str, float]:
     """`sampling_shed_requests_total` by reason, summed over the web processes on `ports`
     (/metrics): the 503s they refused before any Redis call (too many in flight, late); a 503
     not counted here came from admission (the queue's predicted wait) or Redis away."""
     counts: dict[str, float] = {}
     for port in ports:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        for line in text.splitlines():
-            if line.startswith("sampling_shed_requests_total{"):
-                labels, value = line.rsplit(" ", 1)
-                reason = labels.split('reason="', 1)[1].split('"', 1)[0]
-                counts[reason] = counts.get(reason, 0.0) + float(value)
+        for labels, value in metric_samples(port, "sampling_shed_requests_total"):
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+            counts[reason] = counts.get(reason, 0.0) + value
     return counts
