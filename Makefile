@@ -9,7 +9,7 @@ SECRET := .secret_key
 # GPUs of the host docker-compose.yml is made for (`make compose GPUS=8`; 0: one CPU worker).
 GPUS ?= 2
 
-.PHONY: run test test-fast soak lint typecheck bench bench-compare bench-model bench-openai compose audit docs docs-serve clean
+.PHONY: run test test-fast soak lint typecheck bench bench-compare bench-model bench-openai gpu-report compose audit docs docs-serve clean
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-model.txt requirements-bench.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,11 @@ bench-model: $(STAMP) $(SECRET)
 # /v1/completions under aiperf (installed on first use into .venv-aiperf) and our generator.
 bench-openai: $(STAMP) $(SECRET)
 	$(PY) -m bench openai_load
+
+# On a GPU machine: the CUDA graph tests, the real-model tests on cuda:0 and the model
+# benchmark, eager against the graphs (bench/gpu-report.sh; results in gpu-report/).
+gpu-report: $(STAMP) $(SECRET)
+	PYTHON=$(PY) bash bench/gpu-report.sh
 
 # docker-compose.yml from deploy/compose.py (standard library only: no virtual environment),
 # through a temporary file so a bad GPUS leaves the old one in place.
