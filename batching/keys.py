@@ -99,6 +99,11 @@ class QueueKeys:
         return f"{self.tag}:housekeeping"
 
 
+# The published model catalog (batching.catalog): one JSON value with a version, the models
+# operators registered and their aliases, read by every web process's poller.
+CATALOG_KEY = "sampling:{catalog}:models"
+
+
 @dataclass(frozen=True)
 class AccessKeys:
     """The deployment's API keys, as the web processes read them (one set for every queue,

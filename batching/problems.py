@@ -46,6 +46,8 @@ class Problem(ProblemRow, Enum):
                        "invalid_request_error", "invalid_api_key", "UNAUTHORIZED")
     RATE_LIMITED    = (429, RequestOutcome.RATE_LIMITED, True, None,
                        "rate_limit_error", "rate_limit_exceeded", "RATE_LIMITED")
+    MODEL_UNAVAILABLE = (503, RequestOutcome.ERROR, True, None,
+                       "service_unavailable_error", "model_unavailable", "MODEL_UNAVAILABLE")
     # fmt: on
 
     @classmethod

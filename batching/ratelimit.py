@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -93,11 +93,28 @@ class Limited:
         )
 
 
+@dataclass
+class TokenCharges:
+    """The completion tokens charged to each key in one window, as a process last read them:
+    one per process, shared by the limiters of its models (a key's tokens per minute count
+    across models)."""
+
+    window: int = -1
+    by_key: dict[int, int] = field(default_factory=dict)  # key id -> tokens in `window`
+
+
 class RateLimiter:
-    """One web process's view of its callers' rate windows."""
+    """One web process's view of its callers' rate windows for one model: requests per
+    minute count per model (each model's counters live with its batches), tokens per minute
+    across models (`charges`, shared)."""
 
     def __init__(
-        self, client: redis.Redis, keys: AccessKeys = KEYS, *, count_items: bool = COUNT_ITEMS
+        self,
+        client: redis.Redis,
+        keys: AccessKeys = KEYS,
+        *,
+        count_items: bool = COUNT_ITEMS,
+        charges: TokenCharges | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -106,8 +123,7 @@ class RateLimiter:
         self._requests: dict[int, tuple[int, int]] = {}
         # (key id, window) whose counter this process has set to expire
         self._expiring: set[tuple[int, int]] = set()
-        self._tokens_window = -1
-        self._tokens: dict[int, int] = {}  # key id -> tokens charged in _tokens_window
+        self.charges = charges or TokenCharges()
 
     def check(self, caller: Caller, now_s: float | None = None) -> Limited | None:
         """A refusal when the caller is over a limit, from what this process knows: no Redis
@@ -199,15 +215,16 @@ class RateLimiter:
         now_s = time.time() if now_s is None else now_s
         window = window_of(now_s)
         raw = self.client.hgetall(self.keys.tokens(window))
-        self._tokens = {int(k): int(v) for k, v in raw.items()}
-        self._tokens_window = window
+        self.charges.by_key = {int(k): int(v) for k, v in raw.items()}
+        self.charges.window = window
 
     def _requests_seen(self, key_id: int, window: int) -> int:
         seen = self._requests.get(key_id)
         return seen[1] if seen is not None and seen[0] == window else 0
 
     def _tokens_seen(self, key_id: int, window: int) -> int:
-        return self._tokens.get(key_id, 0) if window == self._tokens_window else 0
+        charges = self.charges
+        return charges.by_key.get(key_id, 0) if window == charges.window else 0
 
 
 def queue_token_charges(

@@ -24,6 +24,7 @@ from inference_site.lib.env import (
     env_float,
     env_int,
     env_list,
+    env_models,
     env_name,
     env_secret,
     env_secret_file,
@@ -188,9 +189,20 @@ SAMPLING_REDIS_CLUSTER = env_bool("SAMPLING_REDIS_CLUSTER", False)
 # requests: `manage.py capacity` says how many a rate needs. More shards than a quarter of
 # the GPUs make batches wait for a GPU (each shard's batch waits its turn in the one queue).
 SAMPLING_SHARDS = env_int("SAMPLING_SHARDS", 1, minimum=1, maximum=MAX_SHARDS)
-# The queue names the served model: web processes append to its open batch, its workers
-# consume its Celery queue, and every Redis key of the aggregator is under it.
-SAMPLING_QUEUE = env_name("SAMPLING_QUEUE", "sampling")
+# The worker's sampler: "hf" (a transformers model), "simulated", or "module:factory".
+SAMPLER = env_str("SAMPLER", "hf")
+# The models this deployment serves, comma-separated, each `name` or `name=sampler` (its
+# workers' SAMPLER; a name alone takes SAMPLER): `make run` starts a worker for each, and web
+# processes route to each by the request's `model`, with the models registered in the admin
+# (batching.catalog). Unset: the one model SAMPLING_QUEUE.
+SAMPLING_MODELS = env_models("SAMPLING_MODELS", SAMPLER)
+# The queue names a model: web processes append to its open batch, its workers consume its
+# Celery queue, and every Redis key of its aggregator is under it. For a worker, the model it
+# serves; for a web process, the default model (of /sample and /api/inference without
+# `?model=`): the first of SAMPLING_MODELS unless set.
+SAMPLING_QUEUE = env_name(
+    "SAMPLING_QUEUE", SAMPLING_MODELS[0][0] if SAMPLING_MODELS else "sampling"
+)
 # On: every request needs `Authorization: Bearer <key>` (401 without a valid one). Off (the
 # default, so that `make run`'s curl works): requests without a key get the anonymous tier.
 SAMPLING_REQUIRE_API_KEY = env_bool("SAMPLING_REQUIRE_API_KEY", False)
@@ -216,8 +228,6 @@ def _policy_float(variable: str, field: str) -> float:
 SAMPLING_MAX_BATCH_SIZE = _policy_int("SAMPLING_MAX_BATCH_SIZE", "max_batch_size")
 SAMPLING_DEADLINE_MS = _policy_int("SAMPLING_DEADLINE_MS", "deadline_ms")
 SAMPLING_MAX_PROMPT_BYTES = _policy_int("SAMPLING_MAX_PROMPT_BYTES", "max_prompt_bytes")
-# The worker's sampler: "hf" (a transformers model), "simulated", or "module:factory".
-SAMPLER = env_str("SAMPLER", "hf")
 SIMULATED_BATCH_MS = env_int("SIMULATED_BATCH_MS", 100, minimum=0, maximum=600_000)
 # A sampler call running longer than this is taken for hung: its batch's requests are answered
 # with an error at once and the worker exits for its supervisor to start a fresh one

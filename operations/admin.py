@@ -15,11 +15,12 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
-from batching import access
+from batching import access, catalog
 from batching.outcomes import RequestOutcome
 from batching.policy import POLL_INTERVAL_S
 from operations import usage
 from operations.models import ApiKey, PolicyChange, SamplingPolicy, StatsMinute, Tier, UsageMinute
+from operations.registry import AliasTarget, CatalogChange, ModelAlias, RegisteredModel
 
 # The admin's usage sums on a key's and a tier's page cover this many days.
 USAGE_DAYS = 30
@@ -168,6 +169,53 @@ class ReadOnlyAdmin(admin.ModelAdmin[Any]):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+@admin.register(RegisteredModel)
+class RegisteredModelAdmin(admin.ModelAdmin[RegisteredModel]):
+    list_display = ("name", "kind", "prompt_price", "completion_price", "created", "description")
+    list_filter = ("kind",)
+    search_fields = ("name", "description")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        # The name is the model's queue: renaming would orphan its workers, policy and usage.
+        return ("name", "created") if obj is not None else ("created",)
+
+    def save_model(
+        self, request: HttpRequest, obj: RegisteredModel, form: Any, change: bool
+    ) -> None:
+        super().save_model(request, obj, form, change)
+        self.message_user(
+            request,
+            f"Model {obj.name} saved; every web process serves it as saved within "
+            f"{catalog.POLL_INTERVAL_S * 2:g} s.",
+            messages.SUCCESS,
+        )
+
+
+class AliasTargetInline(admin.TabularInline[AliasTarget, ModelAlias]):
+    model = AliasTarget
+    extra = 1
+    fields = ("model", "weight", "canary")
+
+
+@admin.register(ModelAlias)
+class ModelAliasAdmin(admin.ModelAdmin[ModelAlias]):
+    list_display = ("name", "split", "created")
+    inlines = [AliasTargetInline]
+
+    @admin.display(description="targets (weight)")
+    def split(self, obj: ModelAlias) -> str:
+        return ", ".join(
+            f"{t.model.name} {t.weight}{' (canary)' if t.canary else ''}"
+            for t in obj.targets.select_related("model")
+        )
+
+
+@admin.register(CatalogChange)
+class CatalogChangeAdmin(ReadOnlyAdmin):
+    list_display = ("at", "what")
+    readonly_fields = ("at", "what", "details")
 
 
 @admin.register(PolicyChange)

@@ -5,7 +5,8 @@ sampling.runtime, registered by operations.apps).
    missed a save (Redis was down at the time).
 2. The API keys and tiers in Redis follow the database the same way (a web process's key
    watcher republishes a lost set the moment it notices, batching.access; this catches a
-   save that could not publish, and a set without its digest).
+   save that could not publish, and a set without its digest); so does the model registry's
+   catalog (operations.registry).
 3. Completed minutes of statistics go from Redis to StatsMinute rows, the per-key usage in
    them to UsageMinute rows (operations.minutes: by Redis's clock, a late count re-writes its
    minute's totals), and rows older than SAMPLING_STATS_RETENTION_DAYS (usage:
@@ -24,6 +25,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from batching import access
+from batching import catalog as live_catalog
 from batching import policy as live_policy
 from batching.keys import QueueKeys
 from operations.minutes import persist_minutes as persist_minutes  # the name tests call
@@ -36,6 +38,7 @@ from operations.models import (
     access_records,
     default_policy,
 )
+from operations.registry import catalog_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ def run(client: redis.Redis, queue: str, current: live_policy.Policy) -> None:
     try:
         reconcile_policy(client, queue, current)
         reconcile_access(client)
+        reconcile_catalog(client)
         lock = client.lock(QueueKeys(queue).housekeeping_lock, timeout=60, blocking=False)
         if lock.acquire():
             try:
@@ -81,6 +85,21 @@ def reconcile_access(client: redis.Redis) -> None:
     if published != wanted or digest != access.digest_of_records(wanted).encode():
         log.warning("republishing %d API key and tier records", len(wanted))
         access.replace_all(client, access_records)
+
+
+def reconcile_catalog(client: redis.Redis) -> None:
+    """Republish the registry when Redis lost it, or holds another snapshot than the
+    database's (a save that could not publish; a newer published version stays)."""
+    wanted = catalog_snapshot()
+    try:
+        published = live_catalog.published(client)
+    except (ValueError, TypeError, KeyError):
+        published = None  # unreadable: replaced
+    if published is None and not wanted.version:
+        return  # nothing ever registered
+    if published != wanted and (published is None or published.version <= wanted.version):
+        log.warning("republishing the model registry (version %d)", wanted.version)
+        live_catalog.publish(client, wanted)
 
 
 def record_last_used(client: redis.Redis) -> int:

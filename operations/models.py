@@ -471,3 +471,10 @@ class UsageMinute(models.Model):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+# The model registry's tables live in their own module; imported here so Django finds them.
+from operations.registry import AliasTarget as AliasTarget  # noqa: E402
+from operations.registry import CatalogChange as CatalogChange  # noqa: E402
+from operations.registry import ModelAlias as ModelAlias  # noqa: E402
+from operations.registry import RegisteredModel as RegisteredModel  # noqa: E402

@@ -42,17 +42,17 @@ from sampling.responses import (
     openai_failure,
     openai_invalid,
 )
+from sampling.routing import Route, route, sticky_of
 from sampling.runtime import WebProcess, web_process
 from sampling.submission import charge, submit
 from sampling.validation import (
-    check_model,
     check_settings,
     check_size,
     parse,
     read_body,
     sample_requests,
 )
-from sampling.wrappers import answer_failure, counted, openai_get, require_get
+from sampling.wrappers import Handled, answer_failure, counted, openai_get, require_get
 
 log = logging.getLogger(__name__)
 
@@ -63,62 +63,65 @@ MODEL_WORKERS_S = HEARTBEAT_TIMEOUT_MS / 1000
 
 def _completions(
     request: HttpRequest, process: WebProcess, arrival: float, caller: Caller
-) -> tuple[RequestOutcome, HttpResponse]:
-    policy = process.watcher.current
+) -> Handled:
     try:
         parsed = parse(schemas.CompletionRequest, read_body(request))
-        model = check_model(parsed.model, process)
+        found = route(process, parsed.model, sticky=sticky_of(caller, parsed.user))
+        if isinstance(found, Failure):
+            return Handled(found.outcome, answer_failure(openai_failure, found))
+        policy = found.served.watcher.current
         check_settings(parsed, policy)
         prompts = parsed.prompts()
         for index, prompt in enumerate(prompts):
             check_size(prompt, policy, "prompt" if len(prompts) == 1 else f"prompt.{index}")
         items = sample_requests(prompts, (), parsed)
     except Invalid as invalid:
-        return RequestOutcome.BAD_REQUEST, openai_invalid(invalid)
+        return Handled(RequestOutcome.BAD_REQUEST, openai_invalid(invalid))
     echoed = prompts if parsed.echo else None
-    return _generate(process, caller, arrival, policy, items, model, parsed, echoed, chat=False)
+    return _generate(found, caller, arrival, policy, items, parsed, echoed, chat=False)
 
 
 def _chat_completions(
     request: HttpRequest, process: WebProcess, arrival: float, caller: Caller
-) -> tuple[RequestOutcome, HttpResponse]:
-    policy = process.watcher.current
+) -> Handled:
     try:
         parsed = parse(schemas.ChatCompletionRequest, read_body(request))
-        model = check_model(parsed.model, process)
+        found = route(process, parsed.model, sticky=sticky_of(caller, parsed.user))
+        if isinstance(found, Failure):
+            return Handled(found.outcome, answer_failure(openai_failure, found))
+        policy = found.served.watcher.current
         check_settings(parsed, policy)
         chat = tuple((message.role, message.text()) for message in parsed.messages)
         check_size("".join(content for _, content in chat), policy, "messages")
         items = sample_requests(None, chat, parsed)
     except Invalid as invalid:
-        return RequestOutcome.BAD_REQUEST, openai_invalid(invalid)
-    return _generate(process, caller, arrival, policy, items, model, parsed, None, chat=True)
+        return Handled(RequestOutcome.BAD_REQUEST, openai_invalid(invalid))
+    return _generate(found, caller, arrival, policy, items, parsed, None, chat=True)
 
 
 def _generate(
-    process: WebProcess,
+    found: Route,
     caller: Caller,
     arrival: float,
     policy: Policy,
     items: list[SampleRequest],
-    model: str,
     parsed: schemas._Settings,
     echoed: list[str] | None,
     *,
     chat: bool,
-) -> tuple[RequestOutcome, HttpResponse]:
-    """A validated request's items through the batches, and its answer (or error)."""
-    answers = submit(
-        process, caller, items, arrival + policy.deadline_ms / 1000, policy.deadline_ms
-    )
+) -> Handled:
+    """A validated request's items through its model's batches, and its answer (or error):
+    the response names the model that served it (an alias's target)."""
+    model = found.served
+    answers = submit(model, caller, items, arrival + policy.deadline_ms / 1000, policy.deadline_ms)
     if isinstance(answers, Failure):
-        return answers.outcome, answer_failure(openai_failure, answers)
+        return Handled(answers.outcome, answer_failure(openai_failure, answers), model)
     texts = [answer.text for answer in answers]
     if echoed is not None:  # `echo`: each choice after its prompt
         texts = [echoed[index // parsed.n] + text for index, text in enumerate(texts)]
-    tokens = charge(process.stats, caller, answers, parsed.n)
-    response = completion_response(model, parsed, answers, texts, tokens, chat=chat)
-    return RequestOutcome.OK, _with_headers(response, answers.headers())
+    tokens = charge(model.stats, caller, answers, parsed.n)
+    response = completion_response(model.name, parsed, answers, texts, tokens, chat=chat)
+    return Handled(RequestOutcome.OK, _with_headers(response, answers.headers()), model)
 
 
 def _with_headers(response: HttpResponse, headers: dict[str, str]) -> HttpResponse:
@@ -134,13 +137,32 @@ chat_completions = counted(_chat_completions, openai_failure)
 # --- models, the OpenAPI document, unknown paths -------------------------------------------
 
 
-def _live_models(process: WebProcess) -> dict[str, Any]:
-    """The served model: the queue, with what its live workers serve (their heartbeats)."""
-    now = time.time()
+def _model_object(process: WebProcess, name: str, now: float) -> dict[str, Any] | None:
+    """A model or alias as /v1/models lists it, with its live workers and what they serve
+    (their heartbeats); None for a name the catalog does not have."""
+    catalog = process.catalog.current
+    alias = catalog.aliases.get(name)
+    entry = catalog.models.get(name)
+    if alias is not None:
+        targets = [t.model for t in alias.targets if t.weight > 0]
+        workers = sum(_live_workers(process, target, now)[0] for target in targets)
+        return {"id": name, "object": "model", "created": alias.created or int(now),
+                "owned_by": OWNER, "kind": "alias", "targets": targets,
+                "workers": workers}  # fmt: skip
+    if entry is None:
+        return None
+    workers, samplers = _live_workers(process, name, now)
+    return {"id": name, "object": "model", "created": entry.created or int(now),
+            "owned_by": OWNER, "kind": entry.kind, "description": entry.description,
+            "root": ",".join(sorted(samplers)), "workers": workers}  # fmt: skip
+
+
+def _live_workers(process: WebProcess, name: str, now: float) -> tuple[int, set[str]]:
+    """A model's live workers (their heartbeats) and the samplers they run."""
     samplers: set[str] = set()
     live = 0
     try:
-        infos = process.aggregator.workers.infos(now - MODEL_WORKERS_S - 1)
+        infos = process.model(name).aggregator.workers.infos(now - MODEL_WORKERS_S - 1)
     except REDIS_FAULTS as exc:
         log.warning("cannot read the workers' heartbeats: %s", exc)
         infos = []
@@ -152,20 +174,26 @@ def _live_models(process: WebProcess) -> dict[str, Any]:
             continue
         live += 1
         samplers.add(str(info.get("sampler", "")))
-    return {"id": process.aggregator.queue, "object": "model", "created": int(now),
-            "owned_by": OWNER, "root": ",".join(sorted(samplers)), "workers": live}  # fmt: skip
+    return live, samplers
 
 
 @openai_get
 def models(request: HttpRequest, caller: Caller) -> HttpResponse:
-    return json_response(200, {"object": "list", "data": [_live_models(web_process())]})
+    """Every model and alias with a live worker (an alias: one of its weighted targets)."""
+    process, now = web_process(), time.time()
+    listed = [_model_object(process, name, now) for name in process.catalog.current.names()]
+    data = [found for found in listed if found is not None and found["workers"]]
+    return json_response(200, {"object": "list", "data": data})
 
 
 @openai_get
 def model(request: HttpRequest, caller: Caller, model_id: str) -> HttpResponse:
-    process = web_process()
-    check_model(model_id, process)
-    return json_response(200, _live_models(process))
+    """A model or alias of the catalog, live or not (its `workers` says)."""
+    found = _model_object(web_process(), model_id, time.time())
+    if found is None:
+        raise Invalid(f"the model {model_id!r} does not exist", "model", status=404,
+                      code="model_not_found")  # fmt: skip
+    return json_response(200, found)
 
 
 @csrf_exempt
@@ -194,25 +222,33 @@ def _openapi_json() -> str:
 
 def _inference(
     request: HttpRequest, process: WebProcess, arrival: float, caller: Caller
-) -> tuple[RequestOutcome, HttpResponse]:
-    policy = process.watcher.current
+) -> Handled:
     request_id = uuid.uuid4().hex
     try:
+        found = route(process, request.GET.get("model"), sticky=sticky_of(caller, None))
+        if isinstance(found, Failure):
+            return Handled(found.outcome, _inference_failure(found, request_id))
+        model = found.served
+        policy = model.watcher.current
         parsed = parse(schemas.InferenceRequest, read_body(request))
         check_size(parsed.input, policy, "input")
     except Invalid as invalid:
-        return RequestOutcome.BAD_REQUEST, inference_invalid(invalid)
-    answers = submit(process, caller, [parsed.input], arrival + policy.deadline_ms / 1000,
+        return Handled(RequestOutcome.BAD_REQUEST, inference_invalid(invalid))
+    answers = submit(model, caller, [parsed.input], arrival + policy.deadline_ms / 1000,
                      policy.deadline_ms)  # fmt: skip
     if isinstance(answers, Failure):
-        response = answer_failure(inference_failure, answers)
-        response["X-Request-ID"] = request_id
-        return answers.outcome, response
-    charge(process.stats, caller, answers)
+        return Handled(answers.outcome, _inference_failure(answers, request_id), model)
+    charge(model.stats, caller, answers)
     latency_ms = round((time.monotonic() - arrival) * 1000, 2)
     output = {"output": answers[0].text, "request_id": request_id, "latency_ms": latency_ms}
     response = json_response(200, output, {"X-Request-ID": request_id, **answers.headers()})
-    return RequestOutcome.OK, response
+    return Handled(RequestOutcome.OK, response, model)
+
+
+def _inference_failure(failure: Failure, request_id: str) -> HttpResponse:
+    response = answer_failure(inference_failure, failure)
+    response["X-Request-ID"] = request_id
+    return response
 
 
 inference = counted(_inference, inference_failure)

@@ -1,5 +1,6 @@
-"""The per-process runtime of a web process: aggregator, live policy, API keys, statistics,
-over the process's Redis client (inference_site.redis_client).
+"""The per-process runtime of a web process: the catalog of models and, for each model it
+serves, an aggregator, live policy, statistics and live workers' count; API keys; over the
+process's Redis client (inference_site.redis_client).
 
 Built lazily after gunicorn forks (and after gevent patches sockets), once per process.
 """
@@ -9,24 +10,29 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 from django.conf import settings
 
 from batching.access import AccessWatcher
 from batching.aggregator import BatchAggregator
+from batching.catalog import POLL_INTERVAL_S, CatalogWatcher, base_catalog
 from batching.loop import PeriodicLoop
 from batching.policy import Policy, PolicyWatcher, policy_from_settings
 from batching.ratelimit import RateLimiter
 from batching.stats import RequestStats
+from batching.topology import REDIS_FAULTS
 from inference_site.redis_client import redis_client
 from sampling.shedding import Shedder
 
 log = logging.getLogger(__name__)
 
 BACKGROUND_JOB_INTERVAL_S = 10.0
+# A model's "no live worker" older than this is read again before a request is refused.
+LIVE_RECHECK_S = 0.05
 
 # A job run every BACKGROUND_JOB_INTERVAL_S in each web process, off the request path:
 # job(client, queue, the policy this process applies). The operators' app registers its
@@ -48,19 +54,101 @@ def register_background_job(job: BackgroundJob) -> None:
 
 
 @dataclass
-class WebProcess:
-    """What the request path of this process uses: the aggregator, the live policy, the API
-    keys and the statistics buffer, kept up to date by four periodic loops (greenlets under
-    gevent): the policy and key watchers, the flush of statistics (and the keys' last use),
-    and the background jobs."""
+class ServedModel:
+    """One model as this process serves it: its aggregator, its live policy, its statistics
+    buffer and how many live workers it has, the last two kept fresh by one loop (its policy
+    and its workers' heartbeats, read twice a second). What a submission uses
+    (sampling.submission.RequestPath)."""
 
+    name: str
     client: redis.Redis
     aggregator: BatchAggregator
     watcher: PolicyWatcher
     stats: RequestStats
+    limiter: RateLimiter
+    live_workers: int | None = None  # None: not read yet (Redis away since it was made)
+    live_read_at: float = 0.0  # monotonic
+
+    def __post_init__(self) -> None:
+        self.loop = PeriodicLoop(
+            "model-watcher",
+            self.refresh,
+            POLL_INTERVAL_S,
+            f"read the policy and the workers of {self.name}",
+        )
+
+    def refresh(self) -> None:
+        self.watcher.refresh()
+        self.read_live_workers()
+
+    def read_live_workers(self) -> int:
+        """How many workers of this model are live now (one round trip), kept."""
+        self.live_workers = self.aggregator.workers.live_count()
+        self.live_read_at = time.monotonic()
+        return self.live_workers
+
+    def has_live_worker(self) -> bool:
+        """Whether a worker of this model heartbeated within the heartbeat timeout, by this
+        process's last read; a "none" older than LIVE_RECHECK_S is read again first (one
+        round trip, on the refusal's path only: a worker that just started is not refused
+        for the poll's half second). Unknown (Redis away) counts as live: the join says."""
+        if self.live_workers != 0:
+            return True
+        if time.monotonic() - self.live_read_at > LIVE_RECHECK_S:
+            try:
+                self.read_live_workers()
+            except REDIS_FAULTS:
+                return True
+        return self.live_workers != 0
+
+    def start(self) -> ServedModel:
+        """Read the policy and the workers now (the first request must not see the defaults,
+        nor wait for a model with no worker), then poll them."""
+        self.loop.run_once()  # a failure is logged, and the loop tries again
+        self.loop.start()
+        return self
+
+
+def make_model(client: redis.Redis, name: str, limiter: RateLimiter) -> ServedModel:
+    defaults = policy_from_settings(settings)
+    aggregator = BatchAggregator(
+        client,
+        name,
+        max_batch_size=defaults.max_batch_size,
+        deadline_ms=defaults.deadline_ms,
+        shards=settings.SAMPLING_SHARDS,
+    )
+    watcher = PolicyWatcher(client, name, defaults)
+    watcher.on_change(
+        lambda p: aggregator.configure(max_batch_size=p.max_batch_size, deadline_ms=p.deadline_ms)
+    )
+    return ServedModel(name, client, aggregator, watcher, RequestStats(name), limiter)
+
+
+def listed_models() -> list[tuple[str, str]]:
+    """The models the environment lists, (name, sampler), the default model among them."""
+    listed = list(settings.SAMPLING_MODELS)
+    if all(name != settings.SAMPLING_QUEUE for name, _ in listed):
+        listed.insert(0, (settings.SAMPLING_QUEUE, settings.SAMPLER))
+    return listed
+
+
+@dataclass
+class WebProcess:
+    """What the request path of this process uses: the catalog of models (and one
+    ServedModel for each model it served, made on first use, with its own request limits),
+    the API keys, the process's rate limiter (tokens per minute, shared by its models'
+    limiters) and the shedder, kept up to date by periodic loops (greenlets under gevent): the
+    catalog, key and model watchers, the flush of statistics (and the keys' last use), and
+    the background jobs. `aggregator`, `watcher` and `stats` are the default model's."""
+
+    client: redis.Redis
+    catalog: CatalogWatcher
     access: AccessWatcher
     limiter: RateLimiter
     shedder: Shedder
+    default_model: str
+    models: dict[str, ServedModel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.flush_loop = PeriodicLoop(
@@ -75,8 +163,40 @@ class WebProcess:
             "background-jobs", self._run_jobs, BACKGROUND_JOB_INTERVAL_S, first_wait_s=first_jobs_s
         )
 
+    def model(self, name: str) -> ServedModel:
+        """The model `name` as this process serves it, made (and its watcher started) on
+        first use."""
+        found = self.models.get(name)
+        if found is None:
+            limiter = RateLimiter(
+                self.client,
+                count_items=settings.SAMPLING_RATE_LIMIT_PER_ITEM,
+                charges=self.limiter.charges,
+            )
+            # Stored before it reads Redis: a request meanwhile (another greenlet) shares it.
+            found = self.models[name] = make_model(self.client, name, limiter)
+            found.start()
+        return found
+
+    @property
+    def default(self) -> ServedModel:
+        return self.model(self.default_model)
+
+    @property
+    def aggregator(self) -> BatchAggregator:
+        return self.default.aggregator
+
+    @property
+    def watcher(self) -> PolicyWatcher:
+        return self.default.watcher
+
+    @property
+    def stats(self) -> RequestStats:
+        return self.default.stats
+
     def start(self) -> None:
-        self.watcher.start()
+        self.catalog.start()
+        self.default.start()
         self.access.after_poll(self._refresh_token_charges)
         self.access.start()
         self.flush_loop.start()
@@ -87,18 +207,21 @@ class WebProcess:
             self.limiter.refresh_tokens()
 
     def _flush(self) -> None:
-        """The statistics and the keys' last use (both kept for the next try on a failure)."""
+        """Every model's statistics and the keys' last use (all kept for the next try on a
+        failure)."""
         try:
-            self.stats.flush(self.client)
+            for served in list(self.models.values()):
+                served.stats.flush(self.client)
         finally:
             self.access.flush_last_used()
 
     def _run_jobs(self) -> None:
-        for job in _background_jobs:
-            try:
-                job(self.client, self.aggregator.queue, self.watcher.current)
-            except Exception:  # a failing job must not keep the others from running
-                log.exception("background job %s failed", job.__qualname__)
+        for served in list(self.models.values()):
+            for job in _background_jobs:
+                try:
+                    job(self.client, served.name, served.watcher.current)
+                except Exception:  # a failing job must not keep the others from running
+                    log.exception("background job %s failed", job.__qualname__)
 
 
 def register_access_republisher(republish: AccessRepublisher) -> None:
@@ -116,28 +239,13 @@ def web_process() -> WebProcess:
     found = _web.get(pid)
     if found is None:
         client = redis_client()
-        defaults = policy_from_settings(settings)
-        aggregator = BatchAggregator(
-            client,
-            settings.SAMPLING_QUEUE,
-            max_batch_size=defaults.max_batch_size,
-            deadline_ms=defaults.deadline_ms,
-            shards=settings.SAMPLING_SHARDS,
-        )
-        watcher = PolicyWatcher(client, settings.SAMPLING_QUEUE, defaults)
-        watcher.on_change(
-            lambda p: aggregator.configure(
-                max_batch_size=p.max_batch_size, deadline_ms=p.deadline_ms
-            )
-        )
         found = _web[pid] = WebProcess(
             client,
-            aggregator,
-            watcher,
-            RequestStats(aggregator.queue),
+            CatalogWatcher(client, base_catalog(listed_models())),
             AccessWatcher(client, republish=lambda: _republish_access(client)),
             RateLimiter(client, count_items=settings.SAMPLING_RATE_LIMIT_PER_ITEM),
             Shedder(settings.WEB_MAX_IN_FLIGHT),
+            settings.SAMPLING_QUEUE,
         )
         found.start()
     return found
@@ -149,18 +257,20 @@ def flush_on_exit() -> None:
     found = _web.get(os.getpid())
     if found is None:
         return
-    try:
-        found.stats.flush(found.client)
-    except Exception as exc:  # noqa: BLE001 - Redis away: what is left is lost, and said
-        log.error("statistics not flushed at exit (%d flushes lost): %s",
-                  found.stats.flusher.unsent, exc)  # fmt: skip
+    for served in found.models.values():
+        try:
+            served.stats.flush(found.client)
+        except Exception as exc:  # noqa: BLE001 - Redis away: what is left is lost, and said
+            log.error("statistics of %s not flushed at exit (%d flushes lost): %s",
+                      served.name, served.stats.flusher.unsent, exc)  # fmt: skip
 
 
 def warm_up() -> None:
     """Pay at process start what the first requests would otherwise pay inside their deadline
     (measured: the first /sample of a fresh process took ~30 ms longer than the next): the
     view's imports, a Redis connection with the Lua scripts loaded, the broker connection of
-    Celery's producer, and the result listener's subscription connection. Called by
+    Celery's producer, and the result listener's subscription connection, for every model the
+    environment lists. Called by
     gunicorn's post_worker_init; a failure is only logged, the requests will retry."""
     from django.urls import resolve
     from kombu.common import maybe_declare
@@ -170,15 +280,21 @@ def warm_up() -> None:
 
     resolve("/sample")  # imports the view and the result backend
     try:
-        web_process().aggregator.load_scripts()
+        process = web_process()
+        served = [process.model(name) for name, _ in listed_models()]
+        for model in served:
+            model.aggregator.load_scripts()
         with celery_app.producer_pool.acquire(block=True, timeout=2) as producer:
             assert producer.connection is not None  # a pooled producer has one
             producer.connection.ensure_connection(max_retries=1)
             # The first publish to a queue declares it on that connection: do it now.
-            queue = celery_app.amqp.queues[settings.SAMPLING_QUEUE]
-            maybe_declare(queue, producer.channel)  # type: ignore[arg-type]  # a channel here
+            for model in served:
+                queue = celery_app.amqp.queues[model.name]
+                maybe_declare(queue, producer.channel)  # type: ignore[arg-type]  # a channel
         backend = celery_app.backend
         if isinstance(backend, SharedListenerRedisBackend):  # as CELERY_RESULT_BACKEND says
-            backend.listener.subscribe([keys.results for keys in web_process().aggregator.shards])
+            backend.listener.subscribe(
+                [keys.results for model in served for keys in model.aggregator.shards]
+            )
     except Exception as exc:  # noqa: BLE001 - Redis or the broker down at start: requests say so
         log.warning("web process warm-up incomplete: %s", exc)

@@ -112,6 +112,9 @@ def submit(
     with a request limit join its key's shard, and the call raises its counter
     (batching.ratelimit). With the response cache on, an item whose output its input
     determines is looked up in the same call (batching.cache): a hit joins no batch."""
+    limited = process.limiter.check(caller)  # the model's requests per minute
+    if limited is not None:
+        return _limited(limited)
     policy = process.watcher.current
     queue = process.aggregator.queue
     digests = [cache.digest_of(queue, item, policy, caller.key_id) for item in items]

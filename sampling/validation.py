@@ -15,7 +15,6 @@ from batching.generation import SEED_RANGE, SampleRequest
 from batching.policy import MAX_BATCH_SIZE, Policy
 from sampling import schemas
 from sampling.responses import Invalid
-from sampling.runtime import WebProcess
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -69,18 +68,6 @@ def _location(loc: tuple[int | str, ...]) -> list[str]:
 
 def _token_ids(error: Any) -> bool:
     return error["loc"][:1] == ("prompt",) and isinstance(error.get("input"), int)
-
-
-def check_model(requested: str | None, process: WebProcess) -> str:
-    served = process.aggregator.queue
-    if requested is not None and requested != served:
-        raise Invalid(
-            f"the model {requested!r} does not exist: this server serves {served!r}",
-            "model",
-            status=404,
-            code="model_not_found",
-        )
-    return served
 
 
 def check_settings(request: schemas._Settings, policy: Policy) -> None:

@@ -20,9 +20,11 @@ from batching.outcomes import RequestOutcome
 from batching.problems import Failure
 from batching.topology import REDIS_FAULTS
 from sampling import metrics
-from sampling.runtime import WebProcess, web_process
+from sampling.responses import Invalid
+from sampling.routing import route, sticky_of
+from sampling.runtime import ServedModel, WebProcess, listed_models, web_process
 from sampling.submission import charge, submit
-from sampling.wrappers import answer_failure, counted
+from sampling.wrappers import Handled, answer_failure, counted
 
 log = logging.getLogger(__name__)
 
@@ -38,39 +40,42 @@ def _reason(status: int, reason: str, **headers: str) -> HttpResponse:
     return _text(status, reason + "\n", **headers)
 
 
-def _sample(
-    request: HttpRequest, process: WebProcess, arrival: float, caller: Caller
-) -> tuple[RequestOutcome, HttpResponse]:
+def _sample(request: HttpRequest, process: WebProcess, arrival: float, caller: Caller) -> Handled:
     if request.method != "POST":
-        return RequestOutcome.BAD_REQUEST, _reason(
-            405, "use POST with the prompt as the request body", Allow="POST"
-        )
-    policy = process.watcher.current  # this process's copy, refreshed in the background
+        return _bad(_reason(405, "use POST with the prompt as the request body", Allow="POST"))
+    try:
+        found = route(process, request.GET.get("model"), sticky=sticky_of(caller, None))
+    except Invalid as invalid:
+        return _bad(_reason(invalid.status, str(invalid)))
+    if isinstance(found, Failure):
+        return Handled(found.outcome, answer_failure(_failure, found))
+    model = found.served
+    policy = model.watcher.current  # this process's copy, refreshed in the background
     max_bytes = policy.max_prompt_bytes
     too_long = f"prompt is over the {max_bytes}-byte limit (max prompt bytes of the policy)"
     declared = request.META.get("CONTENT_LENGTH") or "0"
     if declared.isdigit() and int(declared) > max_bytes:
-        return RequestOutcome.BAD_REQUEST, _reason(400, too_long)
+        return _bad(_reason(400, too_long), model)
     body = request.body  # the raw body whatever the content type (curl -d says form-encoded)
     if not body:
-        return RequestOutcome.BAD_REQUEST, _reason(
-            400, "empty prompt: send the prompt as the request body"
-        )
+        return _bad(_reason(400, "empty prompt: send the prompt as the request body"), model)
     if len(body) > max_bytes:
-        return RequestOutcome.BAD_REQUEST, _reason(400, too_long)
+        return _bad(_reason(400, too_long), model)
     try:
         prompt = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return RequestOutcome.BAD_REQUEST, _reason(
-            400, f"prompt is not valid UTF-8 (byte {exc.start})"
-        )
+        return _bad(_reason(400, f"prompt is not valid UTF-8 (byte {exc.start})"), model)
 
     deadline_ms = policy.deadline_ms
-    answers = submit(process, caller, [prompt], arrival + deadline_ms / 1000, deadline_ms)
+    answers = submit(model, caller, [prompt], arrival + deadline_ms / 1000, deadline_ms)
     if isinstance(answers, Failure):
-        return answers.outcome, answer_failure(_failure, answers)
-    charge(process.stats, caller, answers)
-    return RequestOutcome.OK, _text(200, answers[0].text, **answers.headers())
+        return Handled(answers.outcome, answer_failure(_failure, answers), model)
+    charge(model.stats, caller, answers)
+    return Handled(RequestOutcome.OK, _text(200, answers[0].text, **answers.headers()), model)
+
+
+def _bad(response: HttpResponse, model: ServedModel | None = None) -> Handled:
+    return Handled(RequestOutcome.BAD_REQUEST, response, model)
 
 
 def _failure(failure: Failure) -> HttpResponse:
@@ -94,15 +99,18 @@ def healthz(request: HttpRequest) -> HttpResponse:
 
 
 def readyz(request: HttpRequest) -> HttpResponse:
-    aggregator = web_process().aggregator
+    """Ready when Redis answers and every model the environment lists has a live worker."""
+    process = web_process()
     try:
-        aggregator.client.ping()
-        workers = aggregator.workers.live_count()
+        process.client.ping()
+        live = {name: process.model(name).read_live_workers() for name, _ in listed_models()}
     except REDIS_FAULTS as exc:  # on a cluster, RedisClusterException is not a RedisError
         return _not_ready(f"not ready: Redis does not answer ({type(exc).__name__})")
-    if workers == 0:
-        return _not_ready(f"not ready: no live worker for queue {aggregator.queue!r}")
-    return _text(200, f"ready: {workers} worker(s) for queue {aggregator.queue!r}\n")
+    missing = [repr(name) for name, workers in live.items() if workers == 0]
+    if missing:
+        return _not_ready(f"not ready: no live worker for queue {', '.join(missing)}")
+    ready = ", ".join(f"{workers} worker(s) for queue {name!r}" for name, workers in live.items())
+    return _text(200, f"ready: {ready}\n")
 
 
 def _not_ready(reason: str) -> HttpResponse:

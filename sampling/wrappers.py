@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Concatenate, ParamSpec
+from typing import Concatenate, NamedTuple, ParamSpec
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
@@ -29,14 +29,25 @@ from batching.problems import Failure, Problem
 from batching.topology import REDIS_FAULTS
 from sampling import metrics
 from sampling.responses import Invalid, openai_failure, openai_invalid
-from sampling.runtime import WebProcess, web_process
+from sampling.runtime import ServedModel, WebProcess, web_process
 from sampling.shedding import ShedReason
 
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 
-Handler = Callable[[HttpRequest, WebProcess, float, Caller], tuple[RequestOutcome, HttpResponse]]
+
+class Handled(NamedTuple):
+    """What a handler made of a request: its outcome, its response, and the model whose
+    statistics count it (None: the default model's, as for a request refused before it
+    named one)."""
+
+    outcome: RequestOutcome
+    response: HttpResponse
+    model: ServedModel | None = None
+
+
+Handler = Callable[[HttpRequest, WebProcess, float, Caller], Handled]
 Words = Callable[[Failure], HttpResponse]  # how an endpoint says a Failure
 View = Callable[[HttpRequest], HttpResponse]
 
@@ -79,6 +90,7 @@ def counted(handle: Handler, words: Words) -> View:
         arrival = process.shedder.arrival(request.META)  # the deadline counts from here
         shed = _shed(process, arrival)
         caller: Caller | Failure
+        model: ServedModel | None = None
         if shed is not None:
             reason, caller = shed
             metrics.record_shed(reason)
@@ -86,7 +98,9 @@ def counted(handle: Handler, words: Words) -> View:
         else:
             process.shedder.in_flight += 1
             try:
-                caller, outcome, response = _admitted(request, process, arrival, handle, words)
+                caller, (outcome, response, model) = _admitted(
+                    request, process, arrival, handle, words
+                )
             except REDIS_FAULTS as exc:  # whatever step met Redis away: a 503, never a 500
                 caller = redis_away(exc)
                 outcome, response = caller.outcome, answer_failure(words, caller)
@@ -95,7 +109,7 @@ def counted(handle: Handler, words: Words) -> View:
         latency_s = time.monotonic() - arrival
         key_id = 0 if isinstance(caller, Failure) else caller.key_id
         tier = "" if isinstance(caller, Failure) else caller.tier
-        process.stats.record(outcome, latency_s, key_id=key_id, tier=tier)
+        (model or process.default).stats.record(outcome, latency_s, key_id=key_id, tier=tier)
         metrics.record_request(outcome, latency_s, tier)
         return response
 
@@ -112,20 +126,21 @@ def redis_away(exc: Exception) -> Failure:
 
 def _admitted(
     request: HttpRequest, process: WebProcess, arrival: float, handle: Handler, words: Words
-) -> tuple[Caller | Failure, RequestOutcome, HttpResponse]:
+) -> tuple[Caller | Failure, Handled]:
     """A request this process started: authenticated, rate limited, handled."""
     caller = authenticate(request, process)
     if isinstance(caller, Failure):
-        return caller, caller.outcome, answer_failure(words, caller)
+        return caller, Handled(caller.outcome, answer_failure(words, caller))
     limited = process.limiter.check(caller)
     if limited is not None:
         refusal = Failure(Problem.RATE_LIMITED, limited.message, limited.retry_after_s)
-        outcome, response = refusal.outcome, answer_failure(words, refusal)
+        handled = Handled(refusal.outcome, answer_failure(words, refusal))
     else:
-        outcome, response = handle(request, process, arrival, caller)
-    for header, value in process.limiter.headers(caller).items():
-        response[header] = value
-    return caller, outcome, response
+        handled = handle(request, process, arrival, caller)
+    limiter = handled.model.limiter if handled.model is not None else process.limiter
+    for header, value in limiter.headers(caller).items():
+        handled.response[header] = value
+    return caller, handled
 
 
 def _shed(process: WebProcess, arrival: float) -> tuple[ShedReason, Failure] | None:

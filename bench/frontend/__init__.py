@@ -10,9 +10,10 @@ sampler and gunicorn, then measures and prints a markdown table of:
   2. front-end CPU ms per request (gunicorn master + workers, from /proc) on the full
      /sample path, on /v1/completions with one prompt (JSON in and out, as the openai client
      sends it), and on a bare Django view served the same way (/healthz), same load;
-  3. the deadline's accuracy: 504 latency minus the deadline, sequential, with no worker;
+  3. the deadline's accuracy: 504 latency minus the deadline, sequential, the queue's one
+     worker stalled (it heartbeats and takes no batch: bench.harness.stalled);
   4. simultaneous waits one node (2 processes) holds: N requests sent over 1.5 s to a queue
-     with no worker and a 3 s deadline, so that all N wait at once, for gevent (the
+     whose worker is stalled, with a 3 s deadline, so that all N wait at once, for gevent (the
      default) and gthread (GUNICORN_CMD_ARGS); each should get its 504 at the deadline.
      Latencies are seen by the client, which runs on the same 2 cores.
 Rounds alternate between the compared cases and medians are reported: the machine is noisy.

@@ -11,6 +11,7 @@ import gevent
 from bench.frontend.client import COMPLETIONS, closed_loop, one
 from bench.harness.procstat import cpu_seconds
 from bench.harness.stack import Stack, new_queue, simulated_env, simulated_stack
+from bench.harness.stalled import StalledWorker
 from bench.harness.stats import percentile
 from workers.samplers.simulated import expected_completion
 
@@ -82,14 +83,16 @@ def cpu_per_request(service: Stack, rounds: int, cpu_requests: int) -> Rows:
 
 
 def deadline_accuracy(stacks: Stacks, sequential: int, deadline_ms: int) -> Rows:
-    """3. 504 latency minus the deadline: sequential requests on a queue with no worker."""
+    """3. 504 latency minus the deadline: sequential requests on a queue whose one worker is
+    stalled (it heartbeats, takes no batch)."""
     idle = stacks.start("idle", [])
-    one(idle.port, "/sample", b"warm-up", 60)
     errors = []
-    for i in range(sequential // 2):
-        status, _, seconds = one(idle.port, "/sample", f"alone {i}".encode(), 60)
-        assert status == 504, status
-        errors.append((seconds - deadline_ms / 1000) * 1000)
+    with StalledWorker(stacks.redis_url, idle.env["SAMPLING_QUEUE"]):
+        one(idle.port, "/sample", b"warm-up", 60)
+        for i in range(sequential // 2):
+            status, _, seconds = one(idle.port, "/sample", f"alone {i}".encode(), 60)
+            assert status == 504, status
+            errors.append((seconds - deadline_ms / 1000) * 1000)
     idle.stop()
     shown = f"{percentile(errors, 50):.1f} / {percentile(errors, 99):.1f} / {max(errors):.1f}"
     return [("504 minus deadline, sequential, p50 / p99 / max (ms)", shown)]
@@ -103,20 +106,21 @@ WORKER_CLASSES = {
 
 
 def simultaneous_waits(stacks: Stacks, waits: int) -> Rows:
-    """4. Simultaneous waits one node (2 processes) holds, no worker: requests arrive over
-    1.5 s and wait for a 3 s deadline, so all of them wait at once; each should get its 504
-    at the deadline."""
+    """4. Simultaneous waits one node (2 processes) holds, its worker stalled: requests
+    arrive over 1.5 s and wait for a 3 s deadline, so all of them wait at once; each should
+    get its 504 at the deadline."""
     rows = []
     for worker_class, extra in WORKER_CLASSES.items():
         idle = stacks.start("hold", [], SAMPLING_DEADLINE_MS=str(HOLD_DEADLINE_MS), **extra)
-        one(idle.port, "/sample", b"warm-up", 60)
-        for concurrency in (waits // 3, waits):
-            late = _late_504s_ms(idle.port, concurrency)
-            label = f"{worker_class}, {concurrency} simultaneous waits"
-            rows.append((f"{label}: 504s / past deadline p50 / p99 / max (ms)",
-                         f"{len(late)}/{concurrency} / {percentile(late, 50):.0f} / "
-                         f"{percentile(late, 99):.0f} / {late[-1]:.0f}"))  # fmt: skip
-            gevent.sleep(1)
+        with StalledWorker(stacks.redis_url, idle.env["SAMPLING_QUEUE"]):
+            one(idle.port, "/sample", b"warm-up", 60)
+            for concurrency in (waits // 3, waits):
+                late = _late_504s_ms(idle.port, concurrency)
+                label = f"{worker_class}, {concurrency} simultaneous waits"
+                rows.append((f"{label}: 504s / past deadline p50 / p99 / max (ms)",
+                             f"{len(late)}/{concurrency} / {percentile(late, 50):.0f} / "
+                             f"{percentile(late, 99):.0f} / {late[-1]:.0f}"))  # fmt: skip
+                gevent.sleep(1)
         idle.stop()
     return rows
 

@@ -150,15 +150,42 @@ def env_list(name: str, default: list[str], environ: Mapping[str, str] | None = 
     return [part.strip() for part in raw.split(",") if part.strip()]
 
 
+NAME_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def is_name(value: str) -> bool:
+    """1-64 letters, digits, '-', '_' or '.': a queue's (a model's) name."""
+    return 0 < len(value) <= 64 and set(value) <= NAME_CHARACTERS
+
+
 def env_name(name: str, default: str, environ: Mapping[str, str] | None = None) -> str:
     """A short identifier used in Redis keys and queue names: letters, digits, '-', '_', '.'."""
     value = env_str(name, default, environ).strip()
-    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
-    if not value or len(value) > 64 or not set(value) <= allowed:
+    if not is_name(value):
         raise ImproperlyConfigured(
             f"{name} must be 1-64 characters of letters, digits, '-', '_' or '.', got {value!r}"
         )
     return value
+
+
+def env_models(
+    name: str, default_sampler: str, environ: Mapping[str, str] | None = None
+) -> list[tuple[str, str]]:
+    """A list of models, each `name` or `name=sampler` (comma-separated; a name alone takes
+    `default_sampler`): [(name, sampler)] in order, each name once; [] when unset."""
+    models: list[tuple[str, str]] = []
+    for entry in env_list(name, [], environ):
+        model, _, sampler = entry.partition("=")
+        model, sampler = model.strip(), sampler.strip() or default_sampler
+        if not is_name(model):
+            raise ImproperlyConfigured(
+                f"{name}: each model is name or name=sampler, its name 1-64 characters of "
+                f"letters, digits, '-', '_' or '.', got {entry!r}"
+            )
+        if any(model == seen for seen, _ in models):
+            raise ImproperlyConfigured(f"{name} lists the model {model!r} twice")
+        models.append((model, sampler))
+    return models
 
 
 def env_secret(name: str, fallback_file: Path, environ: Mapping[str, str] | None = None) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from inference_site.lib.embedded_redis import EmbeddedRedis, free_port
-from inference_site.lib.env import env_int, env_str
+from inference_site.lib.env import env_int, env_models, env_str
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,6 +87,8 @@ class Stack:
     redis: EmbeddedRedis | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     worker_gpus: list[int | None] = field(default_factory=list)  # each worker's, in order
+    # Each worker's model and sampler, in order (None: SAMPLING_QUEUE's, with SAMPLER).
+    worker_models: list[tuple[str, str] | None] = field(default_factory=list)
     web: subprocess.Popen[bytes] | None = None
     # Where each web process marks itself booted (gunicorn.conf.py's post_worker_init): None
     # when the config is not this tree's, which may not mark (an older checkout benchmarked).
@@ -119,33 +121,55 @@ class Stack:
             self.port = env_int("PORT", 0, environ=self.env) or free_port()
         if self.own_database and "DATABASE_URL" not in self.environment():
             self.env["DATABASE_URL"] = migrated_database(self.root, self.environment())
-        for gpu in self.gpus:
-            self.start_worker(gpu)
+        for gpu, model in self.worker_plan():
+            self.start_worker(gpu, model)
         self.start_web()
         self.wait_ready(timeout_s, need_worker=bool(self.gpus))
         return self
 
-    def start_worker(self, gpu: int | None) -> subprocess.Popen[bytes]:
-        """A worker on `gpu` (None: a CPU worker); a second one on the same GPU or on CPU
-        gets a name of its own (workers.launch.worker_command's replica)."""
-        worker = self._spawn_worker(gpu, self.worker_gpus.count(gpu))
+    def worker_plan(self) -> list[tuple[int | None, tuple[str, str] | None]]:
+        """One worker per GPU of `gpus` (None: a CPU worker) for the one model; with
+        SAMPLING_MODELS listing several, at least one worker per model, the GPUs dealt to
+        the models in turn."""
+        models = env_models("SAMPLING_MODELS", "hf", environ=self.environment())
+        if not models or not self.gpus:
+            return [(gpu, None) for gpu in self.gpus]
+        count = max(len(self.gpus), len(models))
+        return [(self.gpus[i % len(self.gpus)], models[i % len(models)]) for i in range(count)]
+
+    def start_worker(
+        self, gpu: int | None, model: tuple[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """A worker on `gpu` (None: a CPU worker) for `model` (name, sampler; None: the
+        environment's); a second one of the same model on the same GPU or on CPU gets a name
+        of its own (workers.launch.worker_command's replica)."""
+        replica = sum(1 for at in zip(self.worker_gpus, self.worker_models, strict=True)
+                      if at == (gpu, model))  # fmt: skip
+        worker = self._spawn_worker(gpu, replica, model)
         self.workers.append(worker)
         self.worker_gpus.append(gpu)
+        self.worker_models.append(model)
         return worker
 
     def restart_worker(self, index: int) -> subprocess.Popen[bytes]:
         """Start the `index`-th worker again, under its name, in place of one that exited."""
-        gpu = self.worker_gpus[index]
-        self.workers[index] = self._spawn_worker(gpu, self.worker_gpus[:index].count(gpu))
+        gpu, model = self.worker_gpus[index], self.worker_models[index]
+        earlier = list(zip(self.worker_gpus[:index], self.worker_models[:index], strict=True))
+        self.workers[index] = self._spawn_worker(gpu, earlier.count((gpu, model)), model)
         return self.workers[index]
 
-    def _spawn_worker(self, gpu: int | None, replica: int) -> subprocess.Popen[bytes]:
+    def _spawn_worker(
+        self, gpu: int | None, replica: int, model: tuple[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         from workers.launch import worker_command, worker_environment
 
         env = worker_environment(gpu, self.environment())
+        if model is not None:
+            env["SAMPLING_QUEUE"], env["SAMPLER"] = model
         queue = env_str("SAMPLING_QUEUE", "sampling", environ=env)
         suffix = f"-{replica}" if replica else ""
-        output = self._output(f"worker-{'cpu' if gpu is None else gpu}{suffix}")
+        name = f"{queue}-" if model is not None else ""
+        output = self._output(f"worker-{name}{'cpu' if gpu is None else gpu}{suffix}")
         return subprocess.Popen(
             worker_command(gpu, queue, self.worker_args, replica), cwd=self.root, env=env,
             stdout=output, stderr=subprocess.STDOUT if output else None, start_new_session=True,
@@ -260,8 +284,10 @@ class Supervisor:
         assert stack.web is not None, "start the stack first"
         self.processes = [_Supervised("gunicorn", stack.web, stack.start_web, now)]
         for index, worker in enumerate(stack.workers):
-            gpu = stack.worker_gpus[index]
+            gpu, model = stack.worker_gpus[index], stack.worker_models[index]
             name = f"worker {'cpu' if gpu is None else f'gpu{gpu}'}"
+            if model is not None:
+                name += f" of {model[0]}"
             restart = functools.partial(stack.restart_worker, index)
             self.processes.append(_Supervised(name, worker, restart, now))
 
@@ -328,8 +354,12 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         where = os.environ.get("REDIS_URL") or "an embedded Redis"
-        kinds = f"{len(gpus)} GPU worker(s)" if gpus != [None] else "1 CPU worker (no GPU found)"
-        print(f"Starting {kinds} and gunicorn on {where} ...", flush=True)
+        plan = stack.worker_plan()
+        kind = "GPU" if gpus != [None] else "CPU (no GPU found)"
+        models = sorted({model[0] for _, model in plan if model is not None})
+        served = f" for {', '.join(models)}" if models else ""
+        print(f"Starting {len(plan)} {kind} worker(s){served} and gunicorn on {where} ...",
+              flush=True)  # fmt: skip
         stack.start(timeout_s=300)
         print(
             f"\nReady: {stack.base_url}  (Ctrl-C stops everything)\n"

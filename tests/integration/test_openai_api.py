@@ -17,9 +17,11 @@ from openai import AsyncOpenAI, OpenAI
 from batching.generation import RowSettings, render_chat_plain
 from batching.keys import ShardKeys
 from bench.harness import loadgen
+from bench.harness.stalled import StalledWorker
 from inference_site.lib.embedded_redis import free_port
 from inference_site.lib.stack import Stack
 from tests.support.http import request
+from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion, expected_row_completion
 
 pytestmark = pytest.mark.integration
@@ -34,10 +36,10 @@ def words(text: str) -> int:
 
 @pytest.fixture(scope="module")
 def api(start_stack: Callable[..., Stack]) -> Stack:
-    # These tests check what the API answers, not the deadline (test_service and
-    # test_no_worker_raises_a_504_at_the_deadline do): a generous one keeps a burst of 31
-    # requests on a 2-core machine, shared with the suite's other stacks, from 504s that would
-    # say nothing about the API (CI once saw one in the seed test's crowd).
+    # These tests check what the API answers, not the deadline (test_service and the stalled
+    # worker's test below do): a generous one keeps a burst of 31 requests on a 2-core machine,
+    # shared with the suite's other stacks, from 504s that would say nothing about the API
+    # (CI once saw one in the seed test's crowd).
     return start_stack("openai", env={"SAMPLER": "simulated", "SAMPLING_DEADLINE_MS": "5000"})
 
 
@@ -198,7 +200,9 @@ def test_models(client: OpenAI, model: str) -> None:
     assert [entry.id for entry in listed] == [model]
     served = client.models.retrieve(model)
     assert (served.id, served.object) == (model, "model")
-    assert served.model_extra == {"root": "simulated", "workers": 1}
+    assert served.model_extra == {
+        "root": "simulated", "workers": 1, "kind": "generator", "description": ""
+    }  # fmt: skip
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
 
@@ -350,26 +354,45 @@ def test_a_failing_sampler_raises_a_502(start_stack: Callable[..., Stack]) -> No
     assert raised.value.code == "sampler_failed"
 
 
-def test_no_worker_raises_a_504_at_the_deadline(start_stack: Callable[..., Stack]) -> None:
-    stack = start_stack("openai-idle", env={"SAMPLING_DEADLINE_MS": "300"}, gpus=[])
-    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="-", max_retries=0)
-    with pytest.raises(openai.InternalServerError) as raised:
-        client.completions.create(model=stack.env["SAMPLING_QUEUE"], prompt="nobody home")
-    assert raised.value.status_code == 504
-    assert raised.value.code == "deadline_exceeded"
-    # Admission's figure says a batch joined now finishes in 60 s (no worker recomputes it
-    # here). The next request reads it with its append (and is admitted on the figure its
-    # process read before: it gets its 504); from then on both APIs refuse at once.
+def test_no_worker_raises_a_503_at_once_and_a_stalled_one_a_504_at_the_deadline(
+    start_stack: Callable[..., Stack],
+) -> None:
+    deadline_ms = 300
+    stack = start_stack("openai-idle", env={"SAMPLING_DEADLINE_MS": str(deadline_ms)}, gpus=[])
     queue = stack.env["SAMPLING_QUEUE"]
-    redis.Redis.from_url(stack.env["REDIS_URL"]).hset(
-        ShardKeys(queue).admission, "predicted", 60_000
-    )
-    assert inference_error(stack, "nobody") == (504, "DEADLINE_EXCEEDED", None, None)
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="-", max_retries=0)
+    # No worker heartbeats for the queue: refused at once, saying why.
     with pytest.raises(openai.InternalServerError) as raised:
-        client.completions.create(model=queue, prompt="too many")
-    assert (raised.value.status_code, raised.value.code) == (503, "overloaded")
-    assert raised.value.response.headers["retry-after"] == "60"
-    assert inference_error(stack, "too many") == (503, "SERVICE_OVERLOADED", 60_000, "60")
+        client.completions.create(model=queue, prompt="nobody home")
+    assert (raised.value.status_code, raised.value.code) == (503, "model_unavailable")
+    assert "no live worker" in raised.value.message
+    status, name, retry_after_ms, retry_after = inference_error(stack, "nobody home")
+    assert (status, name) == (503, "MODEL_UNAVAILABLE")
+    assert retry_after_ms is not None
+    assert retry_after == str(retry_after_ms // 1000)
+    with StalledWorker(stack.env["REDIS_URL"], queue):
+        # A worker that heartbeats and takes no batch: once the web process has read its
+        # heartbeat, a request waits out its deadline.
+        def error() -> openai.APIStatusError | None:
+            with pytest.raises(openai.InternalServerError) as raised:
+                client.completions.create(model=queue, prompt="nobody takes it")
+            return None if raised.value.code == "model_unavailable" else raised.value
+
+        late = wait_until(error, what="the stalled worker's heartbeat read")
+        assert late is not None
+        assert (late.status_code, late.code) == (504, "deadline_exceeded")
+        # Admission's figure says a batch joined now finishes in 60 s (no worker recomputes
+        # it here). The next request reads it with its append (and is admitted on the figure
+        # its process read before: it gets its 504); from then on both APIs refuse at once.
+        redis.Redis.from_url(stack.env["REDIS_URL"]).hset(
+            ShardKeys(queue).admission, "predicted", 60_000
+        )
+        assert inference_error(stack, "nobody") == (504, "DEADLINE_EXCEEDED", None, None)
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.completions.create(model=queue, prompt="too many")
+        assert (raised.value.status_code, raised.value.code) == (503, "overloaded")
+        assert raised.value.response.headers["retry-after"] == "60"
+        assert inference_error(stack, "too many") == (503, "SERVICE_OVERLOADED", 60_000, "60")
 
 
 def test_an_unreachable_queue_raises_a_503_with_retry_after(
@@ -378,13 +401,16 @@ def test_an_unreachable_queue_raises_a_503_with_retry_after(
     dead_broker = f"redis://127.0.0.1:{free_port()}/0"
     stack = start_stack("openai-nobroker", env={"CELERY_BROKER_URL": dead_broker}, gpus=[])
     client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="-", max_retries=0)
-    with pytest.raises(openai.InternalServerError) as raised:
-        client.chat.completions.create(
-            model=stack.env["SAMPLING_QUEUE"], messages=[{"role": "user", "content": "hi"}]
-        )
-    assert raised.value.status_code == 503
-    assert raised.value.response.headers["retry-after"] == "1"
-    assert inference_error(stack, "hi") == (503, "SERVICE_UNAVAILABLE", 1000, "1")
+    # No worker can reach the dead broker: one that heartbeats stands in for the workers of
+    # a broker that just went away.
+    with StalledWorker(stack.env["REDIS_URL"], stack.env["SAMPLING_QUEUE"]):
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.chat.completions.create(
+                model=stack.env["SAMPLING_QUEUE"], messages=[{"role": "user", "content": "hi"}]
+            )
+        assert (raised.value.status_code, raised.value.code) == (503, "queue_unavailable")
+        assert raised.value.response.headers["retry-after"] == "1"
+        assert inference_error(stack, "hi") == (503, "SERVICE_UNAVAILABLE", 1000, "1")
 
 
 def test_the_load_generator_speaks_the_completions_api(api: Stack, model: str) -> None:

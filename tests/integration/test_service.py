@@ -18,6 +18,7 @@ from batching.aggregator import DISPATCH_GRACE_MS, BatchAggregator
 from batching.keys import ShardKeys
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
+from bench.harness.stalled import StalledWorker
 from inference_site.lib.embedded_redis import free_port
 from inference_site.lib.stack import Stack
 from tests.support.http import request, sample
@@ -219,9 +220,13 @@ def test_a_batch_whose_task_cannot_be_sent_is_closed_and_answered_at_once(
     dead_broker = f"redis://127.0.0.1:{free_port()}/0"
     stack = start_stack("nobroker", env={"CELERY_BROKER_URL": dead_broker}, gpus=[])
     prompts = [f"undeliverable {i}" for i in range(20)]
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        burst = list(pool.map(lambda p: sample(stack.base_url, p), prompts))
-    one_by_one = [sample(stack.base_url, f"one by one {i}") for i in range(5)]
+    # No worker can reach the dead broker: one that heartbeats stands in for the workers of
+    # a broker that just went away.
+    with StalledWorker(stack.env["REDIS_URL"], stack.env["SAMPLING_QUEUE"]):
+        wait_until(lambda: request(stack.base_url, "/readyz", method="GET").status == 200)
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            burst = list(pool.map(lambda p: sample(stack.base_url, p), prompts))
+        one_by_one = [sample(stack.base_url, f"one by one {i}") for i in range(5)]
     deadline_s = Policy().deadline_ms / 1000
     for reply in burst + one_by_one:
         assert reply.status == 503, reply.body

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from batching.aggregator import BatchAggregator
+from bench.harness.stalled import StalledWorker
 from inference_site.lib.stack import Stack
 from tests.support.http import request, sample
 from tests.support.waiting import wait_until
@@ -56,7 +57,7 @@ def test_one_request_over_the_in_flight_bound_gets_a_fast_503(
     start_stack: Callable[..., Stack],
 ) -> None:
     bound = 3
-    # No worker serves this queue: every admitted request waits its whole deadline.
+    # The queue's one worker is stalled: every admitted request waits its whole deadline.
     stack = start_stack(
         "shed-in-flight",
         env={"WEB_MAX_IN_FLIGHT": str(bound), "SAMPLING_DEADLINE_MS": str(DEADLINE_MS)},
@@ -64,7 +65,9 @@ def test_one_request_over_the_in_flight_bound_gets_a_fast_503(
     )
     client = redis.Redis.from_url(stack.env["REDIS_URL"])
     pending = BatchAggregator(client, stack.env["SAMPLING_QUEUE"]).shards[0].pending
-    with ThreadPoolExecutor(bound) as pool:
+    stalled = StalledWorker(stack.env["REDIS_URL"], stack.env["SAMPLING_QUEUE"])
+    with stalled, ThreadPoolExecutor(bound) as pool:
+        wait_until(lambda: request(stack.base_url, "/readyz", method="GET").status == 200)
         waiting = [pool.submit(sample, stack.base_url, f"wait {i}") for i in range(bound)]
         # All three in their views: each has joined the open batch, which no worker seals.
         wait_until(lambda: client.llen(pending) == bound, 5, "every request in its view")
@@ -73,6 +76,6 @@ def test_one_request_over_the_in_flight_bound_gets_a_fast_503(
         assert refused.status == 503, refused.body
         assert time.monotonic() - started < 0.2
         assert [future.result().status for future in waiting] == [504] * bound
-    assert shed_count(stack, "in_flight") == 1
-    # The bound frees as requests end.
-    assert sample(stack.base_url, "after", timeout=5).status == 504
+        assert shed_count(stack, "in_flight") == 1
+        # The bound frees as requests end.
+        assert sample(stack.base_url, "after", timeout=5).status == 504

@@ -78,6 +78,8 @@ def test_the_table_keeps_the_statuses_outcomes_and_words_clients_know() -> None:
                          False),
         "RATE_LIMITED": (429, RequestOutcome.RATE_LIMITED, "rate_limit_exceeded", "RATE_LIMITED",
                          True),
+        "MODEL_UNAVAILABLE": (503, RequestOutcome.ERROR, "model_unavailable", "MODEL_UNAVAILABLE",
+                              True),
     }  # fmt: skip
 
 

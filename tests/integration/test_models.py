@@ -1,0 +1,153 @@
+"""Many models behind one endpoint, against real processes: two models that SAMPLING_MODELS
+lists, each with its own worker (a sampler whose answers start with its model's name), routed
+by the request's `model` through the `openai` client and plain HTTP; a model registered with
+`manage.py registermodel` that has no worker; a worker that leaves and comes back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import openai
+import pytest
+from openai import OpenAI
+
+from inference_site.lib.stack import ROOT, Stack
+from tests.support import unique_queue
+from tests.support.http import request
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+NAMED = "tests.support.named_sampler:named"
+DEADLINE_MS = 5000
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[str, str]:
+    return unique_queue("alpha"), unique_queue("beta")
+
+
+@pytest.fixture(scope="module")
+def stack(start_stack: Callable[..., Stack], models: tuple[str, str]) -> Stack:
+    alpha, beta = models
+    env = {
+        "SAMPLING_MODELS": f"{alpha}={NAMED},{beta}={NAMED}",
+        "SAMPLING_QUEUE": alpha,
+        "SAMPLING_DEADLINE_MS": str(DEADLINE_MS),
+    }
+    return start_stack("models", env=env)
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="-", max_retries=0)
+
+
+def manage(stack: Stack, *args: str) -> str:
+    """A management command against the stack's database and Redis: its output."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), *args],
+        env={**os.environ, **stack.environment()}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture
+def idle_model(stack: Stack) -> Iterator[str]:
+    """A registered model no worker serves; unregistered after the test."""
+    name = unique_queue("idle")
+    manage(stack, "registermodel", name, "--description", "no worker runs it")
+    yield name
+    manage(stack, "registermodel", name, "--delete")
+
+
+def test_each_model_answers_with_its_own_sampler(client: OpenAI, models: tuple[str, str]) -> None:
+    for model in models:
+        completion = client.completions.create(model=model, prompt="E equals ")
+        assert (completion.model, completion.choices[0].text) == (model, f"{model}: MC squared")
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert chat.model == model
+        assert (chat.choices[0].message.content or "").startswith(f"{model}: ")
+
+
+def test_sample_and_inference_take_the_default_model_or_the_query_s(
+    stack: Stack, models: tuple[str, str]
+) -> None:
+    alpha, beta = models
+    assert request(stack.base_url, "/sample", "E equals ").body == f"{alpha}: MC squared"
+    reply = request(stack.base_url, f"/sample?model={beta}", "E equals ")
+    assert (reply.status, reply.body) == (200, f"{beta}: MC squared")
+    reply = request(stack.base_url, f"/api/inference?model={beta}", json.dumps({"input": "x"}))
+    assert json.loads(reply.body)["output"].startswith(f"{beta}: ")
+
+
+def test_the_models_list_shows_each_model_with_its_live_worker(
+    client: OpenAI, models: tuple[str, str]
+) -> None:
+    listed = {entry.id: entry for entry in client.models.list().data}
+    for model in models:
+        assert listed[model].owned_by
+        assert listed[model].created > 0
+        assert (listed[model].model_extra or {})["workers"] == 1
+        assert (listed[model].model_extra or {})["kind"] == "generator"
+
+
+def test_an_unknown_model_is_not_found_on_every_endpoint(stack: Stack, client: OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.completions.create(model="no-such-model", prompt="x")
+    assert raised.value.code == "model_not_found"
+    assert request(stack.base_url, "/sample?model=no-such-model", "x").status == 404
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_a_model_without_a_worker_is_refused_at_once_saying_so(
+    stack: Stack, client: OpenAI, idle_model: str
+) -> None:
+    def refused() -> openai.APIStatusError | None:
+        try:
+            client.completions.create(model=idle_model, prompt="anyone?")
+        except openai.NotFoundError:
+            return None  # the registration has not reached this process yet
+        except openai.APIStatusError as exc:
+            return exc
+        raise AssertionError("a model with no worker answered")
+
+    error = wait_until(refused, what="the registered model reaches the web process")
+    assert error is not None
+    assert (error.status_code, error.code) == (503, "model_unavailable")
+    assert idle_model in error.message
+    assert int(error.response.headers["retry-after"]) >= 1
+    # Answered from memory, not at the deadline: far inside it.
+    reply = request(stack.base_url, f"/sample?model={idle_model}", "anyone?")
+    assert reply.status == 503
+    assert reply.seconds < DEADLINE_MS / 1000 / 10
+    assert idle_model not in {entry.id for entry in client.models.list().data}
+    assert (client.models.retrieve(idle_model).model_extra or {})["workers"] == 0
+
+
+def test_a_model_whose_worker_left_is_refused_until_one_is_back(
+    stack: Stack, client: OpenAI, models: tuple[str, str]
+) -> None:
+    beta = models[1]
+    index = next(i for i, model in enumerate(stack.worker_models) if model and model[0] == beta)
+    stack.stop_process(stack.workers[index])  # SIGTERM: the worker says goodbye
+
+    def status() -> int:
+        try:
+            client.completions.create(model=beta, prompt="E equals ")
+        except openai.APIStatusError as exc:
+            return exc.status_code
+        return 200
+
+    wait_until(lambda: status() == 503, what="the web process sees beta without a worker")
+    stack.restart_worker(index)
+    wait_until(lambda: status() == 200, timeout_s=60, what="beta served again")
+    assert client.completions.create(model=models[0], prompt="E equals ").model == models[0]
