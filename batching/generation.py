@@ -50,6 +50,7 @@ class SampleRequest:
     top_p: float | None = None
     stop: tuple[str, ...] | None = None
     seed: int | None = None
+    dimensions: int | None = None  # an embedding's: the first this many, normalized
 
     def to_json(self) -> str:
         data: dict[str, Any] = {}
@@ -57,7 +58,7 @@ class SampleRequest:
             data["messages"] = [list(message) for message in self.messages]
         else:
             data["prompt"] = self.prompt
-        for name in ("max_tokens", "temperature", "top_p", "seed"):
+        for name in ("max_tokens", "temperature", "top_p", "seed", "dimensions"):
             value = getattr(self, name)
             if value is not None:
                 data[name] = value
@@ -77,6 +78,7 @@ class SampleRequest:
             top_p=data.get("top_p"),
             stop=None if stop is None else tuple(stop),
             seed=data.get("seed"),
+            dimensions=data.get("dimensions"),
         )
 
     def settings(self, defaults: GenerationSettings) -> RowSettings:
@@ -88,6 +90,7 @@ class SampleRequest:
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             stop=self.stop if self.stop is not None else stops_of(defaults),
             seed=self.seed,
+            dimensions=self.dimensions,
         )
 
 
@@ -104,6 +107,7 @@ class RowSettings:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None  # None: a fresh random stream
+    dimensions: int | None = None  # an embedder's: None for the model's own
 
     @classmethod
     def of(cls, generation: GenerationSettings) -> RowSettings:

@@ -189,7 +189,8 @@ SAMPLING_REDIS_CLUSTER = env_bool("SAMPLING_REDIS_CLUSTER", False)
 # requests: `manage.py capacity` says how many a rate needs. More shards than a quarter of
 # the GPUs make batches wait for a GPU (each shard's batch waits its turn in the one queue).
 SAMPLING_SHARDS = env_int("SAMPLING_SHARDS", 1, minimum=1, maximum=MAX_SHARDS)
-# The worker's sampler: "hf" (a transformers model), "simulated", or "module:factory".
+# The worker's sampler: "hf" (a transformers model), "simulated", the embedders
+# "hf-embedder" and "simulated-embedder", or "module:factory".
 SAMPLER = env_str("SAMPLER", "hf")
 # The models this deployment serves, comma-separated, each `name` or `name=sampler` (its
 # workers' SAMPLER; a name alone takes SAMPLER): `make run` starts a worker for each, and web

@@ -36,7 +36,8 @@ def _errors(model: type[BaseModel], *statuses: int) -> dict[str, Any]:
         404: "Unknown model.",
         429: "The key is over its rate limit: try again after Retry-After.",
         502: "The sampler failed for the batch.",
-        503: "Overloaded or the queue unavailable: try again after Retry-After.",
+        503: "Overloaded, the queue unavailable, or the model without a live worker: try "
+        "again after Retry-After.",
         504: "No completion within the deadline.",
     }
     return {str(status): {"description": reasons[status], "content": _content(model)}
@@ -62,10 +63,16 @@ def _generation(request: type[BaseModel], answer: type[BaseModel], summary: str)
     }
 
 
-VALIDATED = (schemas.CompletionRequest, schemas.ChatCompletionRequest, schemas.InferenceRequest)
+VALIDATED = (
+    schemas.CompletionRequest,
+    schemas.ChatCompletionRequest,
+    schemas.EmbeddingRequest,
+    schemas.InferenceRequest,
+)
 SERIALIZED = (
     schemas.CompletionResponse,
     schemas.ChatCompletionResponse,
+    schemas.EmbeddingResponse,
     schemas.ModelList,
     schemas.Model,
     schemas.ErrorResponse,
@@ -76,7 +83,8 @@ SERIALIZED = (
 INFO = {
     "title": "Sampling service",
     "version": "1",
-    "description": "OpenAI-compatible completions, chat and models, a plain JSON inference "
+    "description": "OpenAI-compatible completions, chat, embeddings and models, a plain JSON "
+    "inference "
     "API, and each key's usage. POST /sample (a raw prompt in, a plain-text completion out) is "
     "documented in docs/guides/api.md.",
 }
@@ -93,6 +101,7 @@ def openapi_document() -> dict[str, Any]:
             "/v1/chat/completions": _generation(
                 schemas.ChatCompletionRequest, schemas.ChatCompletionResponse, "Continue a chat"
             ),
+            "/v1/embeddings": _embeddings(),
             **_models(),
             "/api/inference": _inference(),
             "/v1/usage": _usage(),
@@ -111,12 +120,25 @@ def _definitions() -> dict[str, Any]:
     return definitions["$defs"]
 
 
+def _embeddings() -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": "Embed texts",
+            "requestBody": _body(schemas.EmbeddingRequest),
+            "responses": {
+                "200": _ok(schemas.EmbeddingResponse),
+                **_errors(schemas.ErrorResponse, 400, 401, 404, 429, 502, 503, 504),
+            },
+        }
+    }
+
+
 def _models() -> dict[str, Any]:
     model_id = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
     return {
         "/v1/models": {
             "get": {
-                "summary": "The served model",
+                "summary": "The served models and aliases with a live worker",
                 "responses": {
                     "200": _ok(schemas.ModelList),
                     **_errors(schemas.ErrorResponse, 401),

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from batching.embeddings import MAX_DIMENSIONS
 from batching.generation import (
     CHAT_ROLES,
     MAX_STOP_CHARS,
@@ -44,7 +45,9 @@ class _Settings(BaseModel):
 
     model_config = _STRICT
 
-    model: str | None = Field(None, description="The served model's id (GET /v1/models).")
+    model: str | None = Field(
+        None, description="A served model or alias (GET /v1/models); default: the default model."
+    )
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = Field(
         None, description="At most the policy's max new tokens, which is also the default."
     )
@@ -196,6 +199,31 @@ class ChatCompletionRequest(_Settings):
         return found
 
 
+EmbeddingInput = Annotated[str, Field(min_length=1)]
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: one text or a list, each its own item of a batch."""
+
+    model_config = _STRICT
+    model: str | None = Field(None, description="An embedder (GET /v1/models) or an alias.")
+    input: (
+        EmbeddingInput
+        | Annotated[list[EmbeddingInput], Field(min_length=1, max_length=MAX_BATCH_SIZE)]
+    ) = Field(description=f"A text, or up to {MAX_BATCH_SIZE} texts.")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: each vector's float32 values, little-endian."
+    )
+    dimensions: Annotated[int, Field(ge=1, le=MAX_DIMENSIONS)] | None = Field(
+        None,
+        description="The first this many values, normalized again; at most the model's own.",
+    )
+    user: str | None = Field(None, description="Keeps the caller on one target of an alias.")
+
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
 class InferenceRequest(BaseModel):
     """POST /api/inference: one prompt, continued with the queue's settings."""
 
@@ -259,13 +287,34 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class Model(BaseModel):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
-    root: str = Field(description="What the queue's live workers serve (their sampler).")
-    workers: int = Field(description="Live workers of the queue.")
+    kind: Literal["generator", "embedder", "alias"]
+    description: str | None = None
+    root: str | None = Field(None, description="What the model's live workers serve (sampler).")
+    targets: list[str] | None = Field(None, description="An alias's models with a weight above 0.")
+    workers: int = Field(description="Live workers of the model (an alias: of its targets).")
 
 
 class ModelList(BaseModel):
@@ -297,6 +346,7 @@ class InferenceError(BaseModel):
         "RATE_LIMITED",
         "SERVICE_OVERLOADED",
         "SERVICE_UNAVAILABLE",
+        "MODEL_UNAVAILABLE",
         "DEADLINE_EXCEEDED",
         "SAMPLER_FAILED",
     ]

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from sampling import api, views
+from sampling import api, embeddings, views
 
 urlpatterns = [
     path("sample", views.sample, name="sample"),
@@ -11,6 +11,7 @@ urlpatterns = [
     path("metrics", views.metrics_view, name="metrics"),
     path("v1/completions", api.completions, name="v1-completions"),
     path("v1/chat/completions", api.chat_completions, name="v1-chat-completions"),
+    path("v1/embeddings", embeddings.embeddings, name="v1-embeddings"),
     path("v1/models", api.models, name="v1-models"),
     path("v1/openapi.json", api.openapi, name="v1-openapi"),
     # Any id, even one with a newline: an unknown model gets the API's 404, not Django's page.

@@ -67,7 +67,7 @@ def _location(loc: tuple[int | str, ...]) -> list[str]:
 
 
 def _token_ids(error: Any) -> bool:
-    return error["loc"][:1] == ("prompt",) and isinstance(error.get("input"), int)
+    return error["loc"][:1] in (("prompt",), ("input",)) and isinstance(error.get("input"), int)
 
 
 def check_settings(request: schemas._Settings, policy: Policy) -> None:

@@ -166,7 +166,7 @@ def test_every_loop_of_every_process_runs_again_after_every_master_died(
     web_log = (stack.log_dir / "web.log").read_text()
     for loop in ("heartbeat", "handover", "policy-watcher"):
         assert f"{loop} runs again after" in worker_log, loop
-    for loop in ("access-watcher", "policy-watcher", "stats-flush"):
+    for loop in ("access-watcher", "catalog-watcher", "model-watcher", "stats-flush"):
         assert f"{loop} runs again after" in web_log, loop
     assert worker_log.count("cannot send the heartbeat") == 1  # once per outage
     assert [seen for seen in SEEN if seen[1] >= 500 and seen[1] != 503] == []

@@ -4,13 +4,16 @@ for loading a real model."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
+from batching.embeddings import decode
 from batching.generation import Completion, FinishReason, Row, RowSettings, render_chat_plain
 from inference_site.lib.stack import ROOT
 from tests.support.tiny_model import TINY_CONTEXT_TOKENS, build_tiny_model
@@ -23,6 +26,7 @@ from workers.samplers.hf import (
     packaged_model_path,
     resolve_model,
 )
+from workers.samplers.hf_embedder import HFEmbedder
 
 MIXED_PROMPTS = [
     "E equals ",
@@ -202,6 +206,31 @@ def test_packaged_smollm2_loads_and_writes_text(smollm2: HFSampler) -> None:
 def test_packaged_smollm2_batch_matches_alone(smollm2: HFSampler) -> None:
     prompts = MIXED_PROMPTS[:3]
     assert smollm2.batched_sample(prompts) == completions_alone(smollm2, prompts)
+
+
+def test_packaged_smollm2_embeds_a_text_alike_alone_or_in_a_padded_batch(
+    smollm2: HFSampler,
+) -> None:
+    """SAMPLER=hf-embedder's vectors, from the generator's loaded model (its tokenizer's left
+    padding untouched: the embedder pads on the right per call)."""
+    embedder = HFEmbedder("", preloaded=(smollm2.tokenizer, smollm2.model))
+    texts = ["The cat sat on the mat.", "Quarterly revenue grew by five percent this year.", "hi"]
+    batched = embedder.embed(texts)
+    tolerance = 1e-4 if smollm2.dtype == torch.float32 else 2e-2
+    for text, vector in zip(texts, batched, strict=True):
+        assert len(vector) == embedder.dimensions == smollm2.model.config.hidden_size
+        assert math.fsum(x * x for x in vector) == pytest.approx(1.0, abs=1e-4)
+        assert list(vector) == pytest.approx(list(embedder.embed([text])[0]), abs=tolerance)
+    assert list(batched[0]) != pytest.approx(list(batched[1]), abs=tolerance)
+    assert smollm2.tokenizer.padding_side == "left"
+    answer, over = embedder.batched_complete(
+        [Row(texts[0], RowSettings(max_tokens=1, dimensions=32)),
+         Row(texts[0], RowSettings(max_tokens=1, dimensions=embedder.dimensions + 1))]
+    )  # fmt: skip
+    assert isinstance(answer, Completion)
+    assert len(decode(answer.text)) == 32
+    assert answer.prompt_tokens == smollm2.count_tokens(texts[0])
+    assert isinstance(over, PromptRejected)
 
 
 def test_model_benchmark_prints_its_table(tiny_model_dir: Path) -> None:

@@ -1,7 +1,8 @@
-"""Many models behind one endpoint, against real processes: two models that SAMPLING_MODELS
-lists, each with its own worker (a sampler whose answers start with its model's name), routed
-by the request's `model` through the `openai` client and plain HTTP; a model registered with
-`manage.py registermodel` that has no worker; a worker that leaves and comes back."""
+"""Many models behind one endpoint, against real processes: two generators and an embedder
+that SAMPLING_MODELS lists, each with its own worker (the generators' answers start with their
+model's name), routed by the request's `model` through the `openai` client and plain HTTP; a
+model registered with `manage.py registermodel` that has no worker; a worker that leaves and
+comes back; an alias that splits 90/10, sticky per API key."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 from openai import OpenAI
 
+from batching.embeddings import decode, shortened
 from inference_site.lib.stack import ROOT, Stack
 from tests.support import unique_queue
 from tests.support.http import request
 from tests.support.waiting import wait_until
+from workers.samplers.embedder import SimulatedEmbedder, expected_embedding
 
 pytestmark = pytest.mark.integration
 
@@ -32,10 +36,15 @@ def models() -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def stack(start_stack: Callable[..., Stack], models: tuple[str, str]) -> Stack:
+def embedder() -> str:
+    return unique_queue("embed")
+
+
+@pytest.fixture(scope="module")
+def stack(start_stack: Callable[..., Stack], models: tuple[str, str], embedder: str) -> Stack:
     alpha, beta = models
     env = {
-        "SAMPLING_MODELS": f"{alpha}={NAMED},{beta}={NAMED}",
+        "SAMPLING_MODELS": f"{alpha}={NAMED},{beta}={NAMED},{embedder}=simulated-embedder",
         "SAMPLING_QUEUE": alpha,
         "SAMPLING_DEADLINE_MS": str(DEADLINE_MS),
     }
@@ -89,14 +98,55 @@ def test_sample_and_inference_take_the_default_model_or_the_query_s(
 
 
 def test_the_models_list_shows_each_model_with_its_live_worker(
-    client: OpenAI, models: tuple[str, str]
+    client: OpenAI, models: tuple[str, str], embedder: str
 ) -> None:
     listed = {entry.id: entry for entry in client.models.list().data}
-    for model in models:
+    for model, kind in [(models[0], "generator"), (models[1], "generator"), (embedder, "embedder")]:
         assert listed[model].owned_by
         assert listed[model].created > 0
         assert (listed[model].model_extra or {})["workers"] == 1
-        assert (listed[model].model_extra or {})["kind"] == "generator"
+        assert (listed[model].model_extra or {})["kind"] == kind
+
+
+def test_embeddings_are_the_model_s_vectors_whatever_shares_the_batch(
+    client: OpenAI, embedder: str
+) -> None:
+    texts = [f"text {i}" for i in range(8)]
+    one = client.embeddings.create(model=embedder, input="text 3")
+    assert (one.model, one.usage.prompt_tokens) == (embedder, 2)
+    assert one.data[0].embedding == pytest.approx(expected_embedding("text 3"), abs=1e-6)
+    # The same text, alone, in a list, and in requests sent at once (other batch members).
+    with ThreadPoolExecutor(8) as pool:
+        crowd = list(pool.map(lambda t: client.embeddings.create(model=embedder, input=t), texts))
+    listed = client.embeddings.create(model=embedder, input=texts)
+    assert [d.index for d in listed.data] == list(range(8))
+    for index, text in enumerate(texts):
+        assert len(listed.data[index].embedding) == SimulatedEmbedder.dimensions
+        assert listed.data[index].embedding == crowd[index].data[0].embedding
+        assert listed.data[index].embedding == pytest.approx(expected_embedding(text), abs=1e-6)
+    assert listed.data[3].embedding == one.data[0].embedding
+    raw = client.embeddings.with_raw_response.create(
+        model=embedder, input="text 3", encoding_format="base64"
+    )
+    encoded = json.loads(raw.text)["data"][0]["embedding"]
+    assert decode(encoded) == one.data[0].embedding
+    short = client.embeddings.create(model=embedder, input="text 3", dimensions=16)
+    assert short.data[0].embedding == pytest.approx(shortened(one.data[0].embedding, 16), abs=1e-6)
+
+
+def test_each_endpoint_refuses_a_model_of_the_other_kind(
+    client: OpenAI, models: tuple[str, str], embedder: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=embedder, prompt="x")
+    assert (raised.value.code, raised.value.param) == ("model_not_supported", "model")
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.embeddings.create(model=models[0], input="x")
+    assert raised.value.code == "model_not_supported"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.embeddings.create(model=embedder, input="x", dimensions=65)
+    assert raised.value.code == "prompt_rejected"
+    assert "dimensions 65" in raised.value.message
 
 
 def test_an_unknown_model_is_not_found_on_every_endpoint(stack: Stack, client: OpenAI) -> None:

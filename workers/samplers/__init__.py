@@ -33,8 +33,26 @@ def _hf() -> Sampler:
     )
 
 
-# Imported lazily: a web process never loads torch.
-BUILT_IN: dict[str, Callable[[], Sampler]] = {"hf": _hf, "simulated": _simulated}
+def _simulated_embedder() -> Sampler:
+    from workers.samplers.embedder import SimulatedEmbedder
+
+    return SimulatedEmbedder(batch_ms=settings.SIMULATED_BATCH_MS)
+
+
+def _hf_embedder() -> Sampler:
+    from workers.samplers.hf_embedder import HFEmbedder
+
+    return HFEmbedder(settings.SAMPLING_MODEL)
+
+
+# Imported lazily: a web process never loads torch. The embedders' names are those
+# batching.catalog.EMBEDDING_SAMPLERS knows as embedders.
+BUILT_IN: dict[str, Callable[[], Sampler]] = {
+    "hf": _hf,
+    "simulated": _simulated,
+    "hf-embedder": _hf_embedder,
+    "simulated-embedder": _simulated_embedder,
+}
 
 
 def load_sampler(name: str | None = None) -> Sampler:

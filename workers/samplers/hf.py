@@ -127,6 +127,28 @@ def choose_dtype(device: str, requested: str = "") -> Any:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
+def load_pretrained(source: ModelSource, dtype: Any) -> tuple[Any, Any]:
+    """The tokenizer and the causal language model that `source` names, from disk or the
+    local cache (never the Hub while HF_HUB_OFFLINE=1: a worker's default)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
+        network = AutoModelForCausalLM.from_pretrained(source.name_or_path, dtype=dtype, **kwargs)
+    except OSError as exc:
+        if source.is_local or not env_bool("HF_HUB_OFFLINE", False):
+            raise
+        raise ModelNotFound(
+            f"{source.name_or_path} is not in the local Hugging Face cache and "
+            f"HF_HUB_OFFLINE=1: fetch it first (hf download {source.name_or_path}) "
+            "or give SAMPLING_MODEL a local directory"
+        ) from exc
+    return tokenizer, network
+
+
 def _check_graph_options(cuda_graphs: str, graph_prompt_tokens: int) -> None:
     if cuda_graphs not in CUDA_GRAPH_MODES:
         raise ValueError(f"CUDA graphs must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")
@@ -233,26 +255,7 @@ class HFSampler(Sampler):
             self.use_static_cache(graphs=True)
 
     def _load(self) -> tuple[Any, Any]:
-        """The tokenizer and the model that `self.source` names, from disk or the cache."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        kwargs: dict[str, Any] = {}
-        if self.source.gguf_file:
-            kwargs["gguf_file"] = self.source.gguf_file
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(self.source.name_or_path, **kwargs)
-            network = AutoModelForCausalLM.from_pretrained(
-                self.source.name_or_path, dtype=self.dtype, **kwargs
-            )
-        except OSError as exc:
-            if self.source.is_local or not env_bool("HF_HUB_OFFLINE", False):
-                raise
-            raise ModelNotFound(
-                f"{self.source.name_or_path} is not in the local Hugging Face cache and "
-                f"HF_HUB_OFFLINE=1: fetch it first (hf download {self.source.name_or_path}) "
-                "or give SAMPLING_MODEL a local directory"
-            ) from exc
-        return tokenizer, network
+        return load_pretrained(self.source, self.dtype)
 
     def configure(self, generation: GenerationSettings) -> None:
         if self.context_tokens - generation.max_new_tokens < 1:
