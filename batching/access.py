@@ -71,6 +71,7 @@ class Caller:
     priority: int
     rpm: int = 0  # requests per minute
     tpm: int = 0  # completion tokens per minute
+    budget_nanos: int = 0  # spend per calendar month (UTC), in billionths (batching.budgets)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -199,6 +200,8 @@ class AccessWatcher:
         self._seen: dict[int, float] = {}  # key id -> last seen (epoch s), not yet flushed
         # Some key or tier limits completion tokens: the token charges are read each poll.
         self.limits_tokens = False
+        # Key id -> monthly budget, of the keys that have one: their spend is read each poll.
+        self.budgeted: dict[int, int] = {}
         self._after_poll: list[Callable[[], None]] = []
         self.loop = PeriodicLoop("access-watcher", self._poll, interval_s, "read the API keys")
 
@@ -267,6 +270,9 @@ class AccessWatcher:
                 log.error("ignoring an invalid published key record: %s", exc)
         self._keys, self._anonymous = keys, anonymous
         self.limits_tokens = bool(anonymous.tpm) or any(r.caller.tpm for r in keys.values())
+        self.budgeted = {
+            r.caller.key_id: r.caller.budget_nanos for r in keys.values() if r.caller.budget_nanos
+        }
 
     def after_poll(self, job: Callable[[], None]) -> None:
         """Run `job` after each poll, in the poller's thread (it may raise redis errors)."""

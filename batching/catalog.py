@@ -23,6 +23,7 @@ import logging
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
+from decimal import Decimal, InvalidOperation
 
 import redis
 
@@ -49,6 +50,35 @@ def kind_of_sampler(sampler: str) -> str:
 
 
 @dataclass(frozen=True)
+class Price:
+    """A model's prices as billionths of their unit per token: exact for prices of up to 6
+    decimals per 1,000 tokens (the registry's), so a key's spend is an exact integer."""
+
+    prompt_nanos: int = 0
+    completion_nanos: int = 0
+
+    @classmethod
+    def per_thousand(cls, prompt: str, completion: str) -> Price:
+        return cls(_nanos_per_token(prompt), _nanos_per_token(completion))
+
+    def of(self, prompt_tokens: int, completion_tokens: int) -> int:
+        return prompt_tokens * self.prompt_nanos + completion_tokens * self.completion_nanos
+
+
+def _nanos_per_token(per_thousand: str) -> int:
+    nanos = Decimal(per_thousand) * 1_000_000  # per 1,000 tokens x 1e9 / 1,000
+    if nanos != nanos.to_integral_value() or nanos < 0:
+        raise ValueError(f"a price has at most 6 decimals and is not negative: {per_thousand}")
+    return int(nanos)
+
+
+def nanos_as_decimal(nanos: int) -> str:
+    """A spend in billionths as a decimal string of the price's unit ("0.000123")."""
+    text = f"{Decimal(nanos).scaleb(-9):f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     """A served model. Prices are per 1,000 tokens, as exact decimal strings."""
 
@@ -62,6 +92,10 @@ class ModelEntry:
     @property
     def generates(self) -> bool:
         return self.kind == GENERATOR
+
+    @property
+    def price(self) -> Price:
+        return Price.per_thousand(self.prompt_price, self.completion_price)
 
 
 @dataclass(frozen=True)
@@ -145,6 +179,10 @@ class Catalog:
         for entry in self.models.values():
             if entry.kind not in KINDS:
                 found.append(f"model {entry.name!r}: kind must be one of {', '.join(KINDS)}")
+            try:
+                entry.price  # noqa: B018 - checks both prices
+            except (ValueError, InvalidOperation):
+                found.append(f"model {entry.name!r}: prices are decimals of up to 6 places")
         for alias in self.aliases.values():
             if alias.name in self.models:
                 found.append(f"alias {alias.name!r} has the name of a model")

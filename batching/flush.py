@@ -12,6 +12,8 @@ of this writer (a random id per process), kept in memory until Redis has applied
   a process whose clock is off still counts in the node's minute.
 - A count landing in a minute housekeeping already persisted marks that minute dirty, and
   housekeeping writes the minute's totals again (operations/housekeeping.py).
+- A key's spend is also added to its month's total (by the writer's clock's UTC month), in
+  the same script: what the keys' monthly budgets are checked against (batching.budgets).
 
 At most MAX_UNSENT flushes wait in memory (Redis away that long): beyond, the oldest are
 dropped with an error logged (the loss bound of a Redis outage, docs/guides/usage.md).
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -43,6 +47,30 @@ SECOND_TTL_S = 15 * 60
 TEN_SECONDS_TTL_S = 2 * 3600 + 600
 
 Counts = Mapping[int, Mapping[str, int]]  # second (the writer's clock) -> field -> count
+
+
+# How long a month's spend totals stay in Redis (the budgets of its keys read them).
+MONTH_TTL_S = 62 * 24 * 3600
+# A key's spend field in the counts ("k:<key id>:spend", batching.stats), which the flush
+# also adds to its month's total per key (QueueKeys.spend_of_month).
+SPEND_FIELD = re.compile(r"^k:(\d+):spend$")
+
+
+def month_of(second: float) -> str:
+    """The UTC month of an epoch second: "2026-11"."""
+    return datetime.fromtimestamp(second, tz=UTC).strftime("%Y-%m")
+
+
+def monthly_spend(counts: Mapping[int, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    """month -> key id -> spend, from the keys' spend fields of `counts` (by second)."""
+    found: dict[str, dict[str, int]] = {}
+    for second, fields in counts.items():
+        for name, value in fields.items():
+            match = SPEND_FIELD.match(name)
+            if match and value:
+                by_key = found.setdefault(month_of(second), {})
+                by_key[match.group(1)] = by_key.get(match.group(1), 0) + value
+    return found
 
 
 @dataclass(frozen=True)
@@ -95,13 +123,16 @@ class Flusher:
         with self._sending:
             while self._unsent:
                 flush = self._unsent[0]
+                spend = monthly_spend(flush.counts)
                 self._script(client)(
                     keys=[self.keys.stats_applied, self.keys.persisted_minute,
                           self.keys.dirty_minutes],
                     args=[self.writer, flush.sequence, repr(self.clock()),
                           json.dumps(list(flush.counts.items()), separators=(",", ":")),
                           self.keys.stats_prefix, SECOND_TTL_S, TEN_SECONDS_TTL_S,
-                          "" if clock_ms is None else clock_ms],
+                          "" if clock_ms is None else clock_ms,
+                          json.dumps(spend, separators=(",", ":")) if spend else "",
+                          self.keys.spend_prefix, MONTH_TTL_S],
                 )  # fmt: skip
                 with self._lock:
                     if self._unsent and self._unsent[0] is flush:

@@ -73,6 +73,15 @@ class QueueKeys:
         return f"{self.stats_prefix}{granularity_s}:{start_s}"
 
     @cached_property
+    def spend_prefix(self) -> str:
+        """What each month's spend totals' key starts with (the flush script appends the
+        month): a hash of key id -> spend this month on this model (batching.flush)."""
+        return f"{self.tag}:spend:"
+
+    def spend_of_month(self, month: str) -> str:
+        return f"{self.spend_prefix}{month}"
+
+    @cached_property
     def stats_prefix(self) -> str:
         """What every statistics bucket's key starts with (the flush script builds them)."""
         return f"{self.tag}:stats:"
@@ -102,6 +111,8 @@ class QueueKeys:
 # The published model catalog (batching.catalog): one JSON value with a version, the models
 # operators registered and their aliases, read by every web process's poller.
 CATALOG_KEY = "sampling:{catalog}:models"
+# Held by the one web process that judges the canaries in each interval (operations.canary).
+CANARY_LOCK_KEY = "sampling:{catalog}:canary-judge"
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ class Problem(ProblemRow, Enum):
                        "rate_limit_error", "rate_limit_exceeded", "RATE_LIMITED")
     MODEL_UNAVAILABLE = (503, RequestOutcome.ERROR, True, None,
                        "service_unavailable_error", "model_unavailable", "MODEL_UNAVAILABLE")
+    OVER_BUDGET     = (429, RequestOutcome.RATE_LIMITED, False, None,
+                       "insufficient_quota", "insufficient_quota", "QUOTA_EXCEEDED")
     # fmt: on
 
     @classmethod

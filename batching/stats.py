@@ -62,6 +62,9 @@ USAGE_PREFIX = "k:"
 PROMPT_TOKENS = "pt"
 COMPLETION_TOKENS = "ct"
 CACHED_TOKENS = "cpt"
+# What a key's answers cost, in billionths of the price's unit (batching.catalog.Price):
+# exact for any price of 6 decimals per 1,000 tokens.
+SPEND = "spend"
 
 # The queue's tokens the workers sampled (delivered or not): prompt and completion.
 SAMPLED_PROMPT_TOKENS = "sampled:pt"
@@ -105,12 +108,14 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # of prompt_tokens: the prompts answered from the response cache
+    spend_nanos: int = 0  # at each model's price when it answered (SPEND)
 
     def add(self, other: Usage) -> None:
         self.requests.update(other.requests)
         self.prompt_tokens += other.prompt_tokens
         self.completion_tokens += other.completion_tokens
         self.cached_tokens += other.cached_tokens
+        self.spend_nanos += other.spend_nanos
 
 
 def usage_of(counts: Mapping[str, int]) -> dict[int, Usage]:
@@ -127,6 +132,8 @@ def usage_of(counts: Mapping[str, int]) -> dict[int, Usage]:
             usage.completion_tokens += value
         elif what == CACHED_TOKENS:
             usage.cached_tokens += value
+        elif what == SPEND:
+            usage.spend_nanos += value
         elif what.startswith("req:"):
             usage.requests[what[4:]] += value
     return found
@@ -210,10 +217,17 @@ class RequestStats:
             counts[CACHE_MISSES] += misses
 
     def record_usage(
-        self, key_id: int, prompt: int, completion: int, cached: int, now: float | None = None
+        self,
+        key_id: int,
+        prompt: int,
+        completion: int,
+        cached: int,
+        now: float | None = None,
+        spend_nanos: int = 0,
     ) -> None:
         """A key's 200 answer's tokens, as its `usage` reported them (`cached`: the prompt
-        tokens of its prompts answered from the response cache, a part of `prompt`)."""
+        tokens of its prompts answered from the response cache, a part of `prompt`), and
+        what they cost at the model's price."""
         if not key_id:
             return
         second = int(self.clock() if now is None else now)
@@ -223,6 +237,8 @@ class RequestStats:
             counts[usage_field(key_id, COMPLETION_TOKENS)] += completion
             if cached:
                 counts[usage_field(key_id, CACHED_TOKENS)] += cached
+            if spend_nanos:
+                counts[usage_field(key_id, SPEND)] += spend_nanos
 
     def flush(self, client: redis.Redis) -> int:
         """Send the pending seconds as one flush, with any earlier one Redis has not applied

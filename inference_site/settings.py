@@ -276,6 +276,18 @@ SAMPLING_RESPONSE_CACHE_SHARED = env_bool(
 # On: each item of a request (each of `n` choices, each prompt of a list) counts one against
 # its key's requests per minute; off (the default, as OpenAI counts): each request counts one.
 SAMPLING_RATE_LIMIT_PER_ITEM = env_bool("SAMPLING_RATE_LIMIT_PER_ITEM", ratelimit.COUNT_ITEMS)
+# Automatic canary rollback (operations.canary): an alias target marked as a canary is set to
+# weight 0 when, over the last SAMPLING_CANARY_WINDOW_S seconds and with at least
+# SAMPLING_CANARY_MIN_REQUESTS requests on each side, its on-time rate is below (or its error
+# rate above) its baseline's by more than SAMPLING_CANARY_MARGIN_PERCENT points, significantly
+# (z > 3); judged every 5 to 10 s by one web process.
+SAMPLING_CANARY_WINDOW_S = env_int("SAMPLING_CANARY_WINDOW_S", 60, minimum=5, maximum=900)
+SAMPLING_CANARY_MIN_REQUESTS = env_int(
+    "SAMPLING_CANARY_MIN_REQUESTS", 200, minimum=10, maximum=10_000_000
+)
+SAMPLING_CANARY_MARGIN_PERCENT = env_float(
+    "SAMPLING_CANARY_MARGIN_PERCENT", 5.0, minimum=0.0, maximum=100.0
+)
 # How long per-minute statistics rows stay in the database.
 SAMPLING_STATS_RETENTION_DAYS = env_int(
     "SAMPLING_STATS_RETENTION_DAYS", 30, minimum=1, maximum=3650

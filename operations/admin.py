@@ -103,8 +103,8 @@ class TierAdmin(admin.ModelAdmin[Tier]):
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
     list_display = (
-        "name", "prefix", "owner", "tier", "rpm", "tpm", "created", "expires", "revoked",
-        "last_used",
+        "name", "prefix", "owner", "tier", "rpm", "tpm", "monthly_budget", "created", "expires",
+        "revoked", "last_used",
     )  # fmt: skip
     list_filter = ("tier", "revoked")
     search_fields = ("name", "owner", "prefix")
@@ -309,6 +309,7 @@ class UsageMinuteAdmin(ReadOnlyAdmin):
             rows = context["cl"].queryset.order_by()
             context["usage_by_key"] = usage.totals(rows, "key")
             context["usage_by_tier"] = usage.totals(rows, "tier")
+            context["usage_by_model"] = usage.totals(rows, "queue")
         return response
 
 
@@ -322,11 +323,14 @@ def _usage_table(totals: list[usage.Total], query: str) -> str:
     link = reverse("admin:sampling_usageminute_changelist") + query
     return format_html(
         "<table><tr><th></th><th>requests</th><th>ok</th><th>prompt tokens</th>"
-        '<th>completion tokens</th></tr>{}</table><p><a href="{}">per minute</a></p>',
+        '<th>completion tokens</th><th>spend</th></tr>{}</table><p><a href="{}">per minute</a></p>',
         format_html_join(
             "",
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            ((t.label, t.requests, t.ok, t.prompt_tokens, t.completion_tokens) for t in totals),
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (t.label, t.requests, t.ok, t.prompt_tokens, t.completion_tokens, t.spend)
+                for t in totals
+            ),
         ),
         link,
     )

@@ -18,9 +18,10 @@ class OperationsConfig(AppConfig):
     def ready(self) -> None:
         # The web processes' background loop runs the housekeeping every few seconds; the
         # request path (sampling) knows nothing of this app, so the app registers itself.
-        from operations import housekeeping
+        from operations import canary, housekeeping
         from operations.models import republish_missing_access
         from sampling.runtime import register_access_republisher, register_background_job
 
         register_background_job(housekeeping.run)
+        register_background_job(canary.run)
         register_access_republisher(republish_missing_access)

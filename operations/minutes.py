@@ -159,6 +159,7 @@ def usage_rows(queue: str, minutes: Mapping[int, Counter[str]]) -> list[UsageMin
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens,
+            spend_nanos=usage.spend_nanos,
         )
         for minute, by_key in sorted(used.items())
         for key_id, usage in sorted(by_key.items())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from decimal import Decimal
 from functools import partial
 from typing import Any
 
@@ -25,6 +26,7 @@ from django.db.models.signals import post_delete, post_save
 
 from batching import access
 from batching import policy as live_policy
+from batching.budgets import budget_nanos
 from batching.policy import MAX_BATCH_SIZE
 from batching.stats import Summary
 from batching.topology import REDIS_FAULTS
@@ -216,9 +218,13 @@ def _withdraw(queue: str) -> None:
 
 
 def known_queues() -> list[str]:
-    """This node's queue and every queue with a policy row."""
+    """This node's default model, the models the environment lists and the registry holds,
+    and every queue with a policy row."""
+
     queues = SamplingPolicy.objects.values_list("queue", flat=True)
-    return sorted({settings.SAMPLING_QUEUE, *queues})
+    registered = RegisteredModel.objects.values_list("name", flat=True)
+    listed = (name for name, _ in settings.SAMPLING_MODELS)
+    return sorted({settings.SAMPLING_QUEUE, *listed, *registered, *queues})
 
 
 class PolicyChange(models.Model):
@@ -348,6 +354,15 @@ class ApiKey(PublishesAccess):
     revoked = models.BooleanField(
         default=False, help_text="A revoked key gets 401 everywhere within a second or two."
     )
+    monthly_budget = models.DecimalField(
+        max_digits=15,
+        decimal_places=6,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(Decimal(0))],
+        help_text="Spend per calendar month (UTC), in the models' price unit: once reached, "
+        "the key gets 429 insufficient_quota until the month ends or this rises. Empty: none.",
+    )
     last_used = models.DateTimeField(null=True, blank=True, editable=False)
     # The raw key, on the instance that issue() gave it only (never saved): what the admin's
     # response to its creation shows.
@@ -379,6 +394,7 @@ class ApiKey(PublishesAccess):
             self.tier.priority,
             self.tier.rpm if self.rpm is None else self.rpm,
             self.tier.tpm if self.tpm is None else self.tpm,
+            budget_nanos(self.monthly_budget),
         )
         expires_at = self.expires.timestamp() if self.expires else None
         return access.KeyRecord(caller, expires_at, self.revoked)
@@ -446,6 +462,12 @@ class UsageMinute(models.Model):
     cached_tokens = models.PositiveBigIntegerField(
         default=0, help_text="Of the prompt tokens: those of prompts answered from the cache."
     )
+    spend_nanos = models.PositiveBigIntegerField(
+        "spend (billionths)",
+        default=0,
+        help_text="What the answers cost at the model's price when each was answered, in "
+        "billionths of the price's unit.",
+    )
 
     class Meta:
         ordering = ["-minute"]
@@ -474,7 +496,4 @@ class UsageMinute(models.Model):
 
 
 # The model registry's tables live in their own module; imported here so Django finds them.
-from operations.registry import AliasTarget as AliasTarget  # noqa: E402
-from operations.registry import CatalogChange as CatalogChange  # noqa: E402
-from operations.registry import ModelAlias as ModelAlias  # noqa: E402
-from operations.registry import RegisteredModel as RegisteredModel  # noqa: E402
+from operations.registry import AliasTarget, CatalogChange, ModelAlias, RegisteredModel  # noqa: E402, F401

@@ -23,6 +23,7 @@ from django.http import HttpRequest, HttpResponse
 
 from batching import stats
 from batching.access import Caller
+from batching.catalog import nanos_as_decimal
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem
@@ -49,6 +50,7 @@ class ModelUsage:
                 "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
             },
             "requests": {"total": sum(usage.requests.values()), **dict(usage.requests)},
+            "spend": nanos_as_decimal(usage.spend_nanos),
         }
 
 
@@ -114,6 +116,7 @@ class Total:
     ok: int
     prompt_tokens: int
     completion_tokens: int
+    spend: str = "0"  # nanos_as_decimal
 
     @property
     def total_tokens(self) -> int:
@@ -121,12 +124,13 @@ class Total:
 
 
 def totals(rows: QuerySet[UsageMinute], by: str) -> list[Total]:
-    """`rows` summed per key (`by="key"`) or per tier (`by="tier"`), the most tokens first."""
+    """`rows` summed per key (`by="key"`), per tier (`by="tier"`) or per model
+    (`by="queue"`), the most tokens first."""
     requests: dict[object, Counter[str]] = {}
     for group, by_outcome in rows.values_list(by, "requests"):
         requests.setdefault(group, Counter()).update(by_outcome)
     sums = rows.values(by).annotate(
-        prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens")
+        prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"), spend=Sum("spend_nanos")
     )
     labels = _key_labels({row[by] for row in sums}) if by == "key" else {}
     found = [
@@ -136,6 +140,7 @@ def totals(rows: QuerySet[UsageMinute], by: str) -> list[Total]:
             requests.get(row[by], Counter())[RequestOutcome.OK],
             row["prompt"] or 0,
             row["completion"] or 0,
+            nanos_as_decimal(row["spend"] or 0),
         )
         for row in sums
     ]
@@ -162,9 +167,14 @@ def _sum_rows(rows: QuerySet[UsageMinute]) -> stats.Usage:
         prompt=Sum("prompt_tokens"),
         completion=Sum("completion_tokens"),
         cached=Sum("cached_tokens"),
+        spend=Sum("spend_nanos"),
     )
     return stats.Usage(
-        requests, tokens["prompt"] or 0, tokens["completion"] or 0, tokens["cached"] or 0
+        requests,
+        tokens["prompt"] or 0,
+        tokens["completion"] or 0,
+        tokens["cached"] or 0,
+        tokens["spend"] or 0,
     )
 
 

@@ -9,17 +9,30 @@ from django.template.response import TemplateResponse
 from django.utils.safestring import mark_safe
 
 from inference_site.redis_client import redis_client
-from operations import dashboard
+from operations import canary, dashboard
 from operations.models import SamplingPolicy, Tier, default_policy, known_queues
+from operations.registry import AliasTarget
 from sampling.runtime import web_process
 
 
+def canary_targets() -> list[AliasTarget]:
+    """Every alias target marked as a canary, with its alias's split (for the stats page)."""
+    targets = list(AliasTarget.objects.filter(canary=True).select_related("alias", "model"))
+    for target in targets:
+        target.split = ", ".join(  # type: ignore[attr-defined]
+            f"{t.model.name} {t.weight}" for t in target.alias.targets.select_related("model")
+        )
+    return targets
+
+
 def stats_page(request: HttpRequest) -> HttpResponse:
-    """The live stats page of one queue (?queue=, by default this node's SAMPLING_QUEUE)."""
+    """The live stats page of one model's queue (?queue=, by default this node's default
+    model), and the canaries of every alias."""
     queue = request.GET.get("queue") or settings.SAMPLING_QUEUE
     row = SamplingPolicy.objects.filter(queue=queue).first()
-    if queue == settings.SAMPLING_QUEUE:
-        policy = web_process().watcher.current  # what this node's processes apply now
+    process = web_process()
+    if queue in process.catalog.current.models:
+        policy = process.model(queue).watcher.current  # what this node's processes apply now
     else:
         policy = row.as_policy() if row else default_policy()
     tiers = Tier.objects.values_list("name", flat=True)  # highest priority first
@@ -39,5 +52,9 @@ def stats_page(request: HttpRequest) -> HttpResponse:
         "queues": known_queues(),
         "refresh_s": 5,
         "retention_days": settings.SAMPLING_STATS_RETENTION_DAYS,
+        "canaries": canary_targets(),
+        "rollbacks": canary.recent_rollbacks(),
+        "canary_window_s": settings.SAMPLING_CANARY_WINDOW_S,
+        "canary_margin_percent": f"{settings.SAMPLING_CANARY_MARGIN_PERCENT:g}",
     }
     return TemplateResponse(request, "admin/sampling/stats.html", context)

@@ -119,7 +119,7 @@ def _generate(
     texts = [answer.text for answer in answers]
     if echoed is not None:  # `echo`: each choice after its prompt
         texts = [echoed[index // parsed.n] + text for index, text in enumerate(texts)]
-    tokens = charge(model.stats, caller, answers, parsed.n)
+    tokens = charge(model.stats, caller, answers, found.entry.price, parsed.n)
     response = completion_response(model.name, parsed, answers, texts, tokens, chat=chat)
     return Handled(RequestOutcome.OK, _with_headers(response, answers.headers()), model)
 
@@ -238,7 +238,7 @@ def _inference(
                      policy.deadline_ms)  # fmt: skip
     if isinstance(answers, Failure):
         return Handled(answers.outcome, _inference_failure(answers, request_id), model)
-    charge(model.stats, caller, answers)
+    charge(model.stats, caller, answers, found.entry.price)
     latency_ms = round((time.monotonic() - arrival) * 1000, 2)
     output = {"output": answers[0].text, "request_id": request_id, "latency_ms": latency_ms}
     response = json_response(200, output, {"X-Request-ID": request_id, **answers.headers()})

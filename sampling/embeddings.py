@@ -45,7 +45,7 @@ def _embeddings(
     answers = submit(model, caller, items, arrival + deadline_ms / 1000, deadline_ms)
     if isinstance(answers, Failure):
         return Handled(answers.outcome, answer_failure(openai_failure, answers), model)
-    tokens = charge(model.stats, caller, answers)
+    tokens = charge(model.stats, caller, answers, found.entry.price)
     as_base64 = parsed.encoding_format == "base64"
     data = [
         {"object": "embedding", "index": index,

@@ -19,6 +19,7 @@ from django.conf import settings
 
 from batching.access import AccessWatcher
 from batching.aggregator import BatchAggregator
+from batching.budgets import Budgets
 from batching.catalog import POLL_INTERVAL_S, CatalogWatcher, base_catalog
 from batching.loop import PeriodicLoop
 from batching.policy import Policy, PolicyWatcher, policy_from_settings
@@ -149,8 +150,10 @@ class WebProcess:
     shedder: Shedder
     default_model: str
     models: dict[str, ServedModel] = field(default_factory=dict)
+    budgets: Budgets = field(init=False)
 
     def __post_init__(self) -> None:
+        self.budgets = Budgets(self.client)
         self.flush_loop = PeriodicLoop(
             "stats-flush",
             self._flush,
@@ -198,6 +201,7 @@ class WebProcess:
         self.catalog.start()
         self.default.start()
         self.access.after_poll(self._refresh_token_charges)
+        self.access.after_poll(self._refresh_budgets)
         self.access.start()
         self.flush_loop.start()
         self.jobs_loop.start()
@@ -205,6 +209,10 @@ class WebProcess:
     def _refresh_token_charges(self) -> None:
         if self.access.limits_tokens:
             self.limiter.refresh_tokens()
+
+    def _refresh_budgets(self) -> None:
+        if self.access.budgeted or self.budgets.spent:
+            self.budgets.refresh(self.access.budgeted, self.catalog.current.models)
 
     def _flush(self) -> None:
         """Every model's statistics and the keys' last use (all kept for the next try on a

@@ -347,6 +347,7 @@ class InferenceError(BaseModel):
         "SERVICE_OVERLOADED",
         "SERVICE_UNAVAILABLE",
         "MODEL_UNAVAILABLE",
+        "QUOTA_EXCEEDED",
         "DEADLINE_EXCEEDED",
         "SAMPLER_FAILED",
     ]
@@ -359,6 +360,10 @@ class UsageByModel(BaseModel):
     usage: Usage
     requests: dict[str, int] = Field(
         description="The key's requests: `total`, and how many ended in each outcome."
+    )
+    spend: str = Field(
+        description="What the answers cost at the model's price when each was answered: a "
+        "decimal in the price's unit."
     )
 
 

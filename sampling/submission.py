@@ -25,6 +25,7 @@ from batching import cache
 from batching.access import Caller
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer, to_wire
+from batching.catalog import Price
 from batching.generation import SampleRequest
 from batching.items import Joined, Ticket
 from batching.outcomes import ItemOutcome
@@ -93,10 +94,14 @@ class Answers(list[Answer]):
         )
 
 
-def charge(stats: RequestStats, caller: Caller, answers: Answers, n: int = 1) -> Tokens:
-    """Count a 200 answer's usage to its caller's key (in memory; anonymous: nothing)."""
+def charge(
+    stats: RequestStats, caller: Caller, answers: Answers, price: Price, n: int = 1
+) -> Tokens:
+    """Count a 200 answer's usage and its cost at its model's `price` to its caller's key (in
+    memory; anonymous: nothing)."""
     tokens = answers.tokens(n)
-    stats.record_usage(caller.key_id, *tokens)
+    spend = price.of(tokens.prompt, tokens.completion)
+    stats.record_usage(caller.key_id, *tokens, spend_nanos=spend)
     return tokens
 
 

@@ -70,7 +70,7 @@ def _sample(request: HttpRequest, process: WebProcess, arrival: float, caller: C
     answers = submit(model, caller, [prompt], arrival + deadline_ms / 1000, deadline_ms)
     if isinstance(answers, Failure):
         return Handled(answers.outcome, answer_failure(_failure, answers), model)
-    charge(model.stats, caller, answers)
+    charge(model.stats, caller, answers, found.entry.price)
     return Handled(RequestOutcome.OK, _text(200, answers[0].text, **answers.headers()), model)
 
 

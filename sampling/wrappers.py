@@ -48,6 +48,11 @@ class Handled(NamedTuple):
 
 
 Handler = Callable[[HttpRequest, WebProcess, float, Caller], Handled]
+
+OVER_BUDGET = (
+    "this API key has spent its monthly budget: it is refused until the month ends (UTC) or "
+    "its budget is raised"
+)
 Words = Callable[[Failure], HttpResponse]  # how an endpoint says a Failure
 View = Callable[[HttpRequest], HttpResponse]
 
@@ -132,6 +137,9 @@ def _admitted(
     if isinstance(caller, Failure):
         return caller, Handled(caller.outcome, answer_failure(words, caller))
     limited = process.limiter.check(caller)
+    if process.budgets.over(caller):
+        refusal = Failure(Problem.OVER_BUDGET, OVER_BUDGET)
+        return caller, Handled(refusal.outcome, answer_failure(words, refusal))
     if limited is not None:
         refusal = Failure(Problem.RATE_LIMITED, limited.message, limited.retry_after_s)
         handled = Handled(refusal.outcome, answer_failure(words, refusal))

@@ -26,7 +26,7 @@ from batching.outcomes import ItemOutcome
 from batching.policy import Policy
 from batching.protocol import UNKNOWN_LANE
 from workers.metrics import WorkerMetrics
-from workers.samplers.base import PromptRejected, Sampler
+from workers.samplers.base import PromptRejected, RowFailed, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ Result = WireAnswer
 
 
 def _answer(item: Item, completion: Completion | PromptRejected) -> Answer:
+    if isinstance(completion, RowFailed):
+        return Answer(ItemOutcome.ERROR, str(completion) or "the sampler failed for this prompt")
     if isinstance(completion, PromptRejected):
         return Answer(ItemOutcome.PROMPT_REJECTED, str(completion) or "prompt rejected")
     if item.request is None and not item.key_id:  # an anonymous /sample answer: the text alone

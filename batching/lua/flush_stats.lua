@@ -12,7 +12,10 @@
 -- ARGV[5]: bucket key prefix (QueueKeys.stats_bucket of granularity g, start s is
 --          prefix .. g .. ':' .. s), ARGV[6]: TTL s of the 1-second buckets,
 -- ARGV[7]: TTL s of the 10-second buckets (and of the applied and dirty hashes),
--- ARGV[8]: clock ms (optional: a test sets the time; absent or '', the node's TIME)
+-- ARGV[8]: clock ms (optional: a test sets the time; '', the node's TIME)
+-- ARGV[9]: keys' spend by month (JSON: month -> key id -> spend; '' for none),
+-- ARGV[10]: the month totals' key prefix (prefix .. month: hash key id -> spend),
+-- ARGV[11]: their TTL s
 -- Returns {1 applied or 0 already applied, the offset applied (s)}
 local function now_ms(clock)
   if clock and clock ~= '' then return tonumber(clock) end
@@ -41,6 +44,15 @@ end
 for minute in pairs(dirty) do
   redis.call('HINCRBY', KEYS[3], string.format('%d', minute), 1)
   redis.call('EXPIRE', KEYS[3], ttl)
+end
+if ARGV[9] and ARGV[9] ~= '' then
+  for month, by_key in pairs(cjson.decode(ARGV[9])) do
+    local key = ARGV[10] .. month
+    for key_id, spend in pairs(by_key) do
+      redis.call('HINCRBY', key, key_id, string.format('%d', spend))
+    end
+    redis.call('EXPIRE', key, tonumber(ARGV[11]))
+  end
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('EXPIRE', KEYS[1], ttl)

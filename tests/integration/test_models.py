@@ -201,3 +201,75 @@ def test_a_model_whose_worker_left_is_refused_until_one_is_back(
     stack.restart_worker(index)
     wait_until(lambda: status() == 200, timeout_s=60, what="beta served again")
     assert client.completions.create(model=models[0], prompt="E equals ").model == models[0]
+
+
+KEYS_SCRIPT = """
+import json
+from operations.models import ApiKey, Tier, publish_access
+tier = Tier.objects.get(name="free")
+keys = [ApiKey(name="{prefix}" + str(i), tier=tier, rpm=0, tpm=0) for i in range({count})]
+raws = [key.issue() for key in keys]
+ApiKey.objects.bulk_create(keys, batch_size=500)
+publish_access()
+print(json.dumps(raws))
+"""
+DROP_KEYS_SCRIPT = """
+from operations.models import ApiKey, publish_access
+ApiKey.objects.filter(name__startswith="{prefix}").delete()
+publish_access()
+"""
+
+
+@pytest.fixture
+def many_keys(stack: Stack) -> Iterator[list[str]]:
+    """5,000 API keys of their own (no limits), deleted after the test."""
+    prefix = unique_queue("split-key") + "-"
+    printed = manage(stack, "shell", "-c", KEYS_SCRIPT.format(prefix=prefix, count=5000))
+    raws = json.loads(printed.strip().splitlines()[-1])
+    yield raws
+    manage(stack, "shell", "-c", DROP_KEYS_SCRIPT.format(prefix=prefix))
+
+
+@pytest.fixture
+def split(stack: Stack, models: tuple[str, str]) -> Iterator[str]:
+    """An alias sending 90% of its requests to alpha and 10% to beta."""
+    alpha, beta = models
+    alias = unique_queue("split")
+    for model in models:
+        manage(stack, "registermodel", model)
+    manage(stack, "setalias", alias, f"{alpha}=90", f"{beta}=10")
+    yield alias
+    manage(stack, "setalias", alias, "--delete")
+    for model in models:
+        manage(stack, "registermodel", model, "--delete")
+
+
+def test_an_alias_splits_by_weight_and_keeps_each_key_on_one_model(
+    stack: Stack, models: tuple[str, str], split: str, many_keys: list[str]
+) -> None:
+    def served_by(key: str, prompt: str) -> str:
+        reply = request(
+            stack.base_url, "/v1/completions", json.dumps({"model": split, "prompt": prompt}),
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )  # fmt: skip
+        assert reply.status == 200, reply.body
+        return str(json.loads(reply.body)["model"])
+
+    # The keys and the alias have reached the web process: a key's usage is its own.
+    usage = f"{stack.base_url}/v1/usage"
+    wait_until(
+        lambda: request(stack.base_url, "/v1/usage", method="GET",
+                        headers={"Authorization": f"Bearer {many_keys[-1]}"}).status == 200,
+        what=f"the keys published ({usage})",
+    )  # fmt: skip
+    wait_until(lambda: split in {m.id for m in OpenAI(base_url=f"{stack.base_url}/v1",
+               api_key="-").models.list().data}, what="the alias published")  # fmt: skip
+    with ThreadPoolExecutor(32) as pool:
+        picks = list(pool.map(lambda key: served_by(key, "E equals "), many_keys))
+    assert set(picks) == set(models)
+    share = picks.count(models[1]) / len(picks)
+    assert abs(share - 0.10) <= 0.02, share
+    for key in many_keys[:10]:
+        with ThreadPoolExecutor(20) as pool:
+            seen = set(pool.map(lambda i, key=key: served_by(key, f"again {i}"), range(20)))
+        assert len(seen) == 1, (key[:11], seen)

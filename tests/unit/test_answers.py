@@ -80,6 +80,8 @@ def test_the_table_keeps_the_statuses_outcomes_and_words_clients_know() -> None:
                          True),
         "MODEL_UNAVAILABLE": (503, RequestOutcome.ERROR, "model_unavailable", "MODEL_UNAVAILABLE",
                               True),
+        "OVER_BUDGET": (429, RequestOutcome.RATE_LIMITED, "insufficient_quota", "QUOTA_EXCEEDED",
+                        False),
     }  # fmt: skip
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "GenerationSettings",
     "PromptRejected",
     "Row",
+    "RowFailed",
     "RowSettings",
     "Sampler",
 ]
@@ -45,6 +46,13 @@ __all__ = [
 class PromptRejected(Exception):
     """Returned (not raised) in place of one completion the sampler cannot produce for that
     prompt alone, e.g. a prompt longer than the model's context. The rest of the batch stands."""
+
+
+class RowFailed(PromptRejected):
+    """Returned (not raised) in place of one completion the sampler failed to produce for a
+    reason of its own, not the prompt's (NaNs in that row's logits, say): that request gets a
+    502 as for a failed call, while the rest of the batch stands and the worker stays healthy
+    (a whole failed call counts toward leaving as unhealthy; a row does not)."""
 
 
 class Sampler(abc.ABC):

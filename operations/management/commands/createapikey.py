@@ -1,10 +1,12 @@
-"""`python manage.py createapikey NAME [--tier T] [--rpm N] [--tpm N] [--expires DATE]`: create
+"""`python manage.py createapikey NAME [--tier T] [--rpm N] [--tpm N] [--expires DATE]
+[--monthly-budget AMOUNT]`: create
 an API key and print it on the last line of stdout (the only time it is shown). The key is
 published to Redis (REDIS_URL, as every process reads it): it works within a second or two."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -25,6 +27,16 @@ def _expiry(text: str) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
+def _budget(text: str) -> Decimal:
+    try:
+        budget = Decimal(text)
+    except InvalidOperation:
+        raise CommandError(f"--monthly-budget: {text!r} is not a decimal number") from None
+    if budget < 0 or budget != budget.quantize(Decimal("0.000001")):
+        raise CommandError("--monthly-budget is 0 or more, with at most 6 decimals")
+    return budget
+
+
 class Command(BaseCommand):
     help = "Create an API key; the key is printed on the last line, once."
 
@@ -35,6 +47,9 @@ class Command(BaseCommand):
         parser.add_argument("--rpm", type=int, help="requests per minute (0: none; default: tier)")
         parser.add_argument("--tpm", type=int, help="completion tokens per minute (as --rpm)")
         parser.add_argument("--expires", help="YYYY-MM-DD or an ISO datetime (UTC if no zone)")
+        parser.add_argument(
+            "--monthly-budget", type=_budget, help="spend per calendar month (default: none)"
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         tier = Tier.objects.filter(name=options["tier"]).first()
@@ -49,7 +64,7 @@ class Command(BaseCommand):
             raise CommandError(f"--expires {options['expires']} is in the past")
         key = ApiKey(
             name=options["name"], owner=options["owner"], tier=tier, rpm=options["rpm"],
-            tpm=options["tpm"], expires=expires,
+            tpm=options["tpm"], expires=expires, monthly_budget=options["monthly_budget"],
         )  # fmt: skip
         raw = key.issue()
         with transaction.atomic():

@@ -1,0 +1,144 @@
+"""Prices, spend and monthly budgets against real processes (gunicorn with two web processes,
+a Celery worker, the `openai` client): a key's spend in `/v1/usage` is exactly its answers'
+tokens at the model's registered prices; a key with a monthly budget is refused with 429
+`insufficient_quota` once its spend reaches it, within the documented delay and overshoot;
+served again once its budget is raised."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from decimal import Decimal
+
+import openai
+import pytest
+from openai import OpenAI
+
+from inference_site.lib.stack import ROOT, Stack
+from tests.support import unique_queue
+from tests.support.http import request
+from tests.support.keys import bearer, create_key
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+PROMPT_PRICE, COMPLETION_PRICE = Decimal("1.5"), Decimal("2.25")  # per 1,000 tokens
+# The refusal's delay (docs/guides/usage.md): one statistics flush (1 s) and one key poll
+# (0.5 s) after the answer that reached the budget; and this test's own poll of its answers.
+REFUSAL_WITHIN_S = 1.0 + 0.5 + 1.0
+
+
+def manage(stack: Stack, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), *args],
+        env={**os.environ, **stack.environment()}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def priced() -> str:
+    return unique_queue("priced")
+
+
+@pytest.fixture(scope="module")
+def stack(start_stack: Callable[..., Stack], priced: str) -> Iterator[Stack]:
+    env = {"SAMPLING_MODELS": f"{priced}=simulated", "SAMPLING_QUEUE": priced}
+    stack = start_stack("budgets", env=env, web_processes=2)
+    manage(stack, "registermodel", priced, "--prompt-price", str(PROMPT_PRICE),
+           "--completion-price", str(COMPLETION_PRICE))  # fmt: skip
+    yield stack
+    manage(stack, "registermodel", priced, "--delete")
+
+
+def cost(usage: openai.types.CompletionUsage | None) -> Decimal:
+    assert usage is not None
+    tokens = PROMPT_PRICE * usage.prompt_tokens + COMPLETION_PRICE * usage.completion_tokens
+    return tokens / 1000
+
+
+def spend_of(stack: Stack, key: str) -> Decimal:
+    reply = request(stack.base_url, "/v1/usage", method="GET", headers=bearer(key))
+    return sum((Decimal(m["spend"]) for m in json.loads(reply.body)["data"]), Decimal(0))
+
+
+def test_a_budget_refuses_its_key_once_spent_and_serves_it_again_when_raised(
+    stack: Stack, priced: str
+) -> None:
+    budget = Decimal("0.05")  # about 6 answers of 8 tokens
+    name = unique_queue("budgeted")
+    key = create_key(stack, name, "--monthly-budget", str(budget))
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
+    wait_until(
+        lambda: (
+            request(stack.base_url, "/v1/usage", method="GET", headers=bearer(key)).status == 200
+        ),
+        what="the key published",
+    )
+    # The price reaches the web processes with the registry.
+    wait_until(lambda: (client.models.retrieve(priced).model_extra or {}).get("workers"),
+               what="the priced model served")  # fmt: skip
+    answered: list[tuple[float, Decimal]] = []  # (when, what it cost) of every 200
+    refusal: openai.RateLimitError | None = None
+    for i in range(200):
+        try:
+            completion = client.completions.create(model=priced, prompt=f"spend {i}")
+        except openai.RateLimitError as exc:
+            refusal, refused_at = exc, time.monotonic()
+            break
+        answered.append((time.monotonic(), cost(completion.usage)))
+    assert refusal is not None, "never refused"
+    assert (refusal.code, refusal.type) == ("insufficient_quota", "insufficient_quota")
+    assert "budget" in refusal.message
+    # When the budget was reached, and what came after it.
+    total, reached_at, overshoot = Decimal(0), None, Decimal(0)
+    for at, paid in answered:
+        if reached_at is not None:
+            overshoot += paid
+        total += paid
+        if reached_at is None and total >= budget:
+            reached_at = at
+    assert reached_at is not None
+    assert refused_at - reached_at <= REFUSAL_WITHIN_S
+    # The overshoot: the answers in that delay, the last one of the budget's own excepted.
+    assert total - budget <= overshoot + answered[-1][1]
+    # The spend is exact: the answers' tokens at the registered prices.
+    wait_until(lambda: spend_of(stack, key) == total, what=f"spend {total} in /v1/usage")
+    # A raised budget serves the key again, within a poll.
+    manage(stack, "shell", "-c",
+           "from operations.models import ApiKey; k = ApiKey.objects.get(name=" + repr(name)
+           + "); k.monthly_budget = k.monthly_budget * 10; k.save()")  # fmt: skip
+
+    def served() -> bool:
+        try:
+            client.completions.create(model=priced, prompt="again")
+        except openai.RateLimitError:
+            return False
+        return True
+
+    wait_until(served, what="served once the budget is raised")
+
+
+def test_spend_counts_per_model_and_keys_without_a_budget_are_never_refused(
+    stack: Stack, priced: str
+) -> None:
+    key = create_key(stack, unique_queue("unbudgeted"))
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
+    wait_until(
+        lambda: (
+            request(stack.base_url, "/v1/usage", method="GET", headers=bearer(key)).status == 200
+        ),
+        what="the key published",
+    )
+    total = sum(
+        (cost(client.completions.create(model=priced, prompt=f"free {i}").usage)
+         for i in range(40)), Decimal(0)
+    )  # fmt: skip
+    wait_until(lambda: spend_of(stack, key) == total, what=f"spend {total} in /v1/usage")
+    reply = request(stack.base_url, "/v1/usage", method="GET", headers=bearer(key))
+    assert [m["model"] for m in json.loads(reply.body)["data"]] == [priced]
