@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -100,18 +101,20 @@ def record_request(outcome: RequestOutcome, latency_s: float, tier: str = "") ->
 class WorkerMetricsCollector:
     """The workers' published expositions, merged family by family."""
 
-    def __init__(self, client: redis.Redis, queue: str) -> None:
+    def __init__(self, client: redis.Redis, queues: Sequence[str]) -> None:
         self.client = client
-        self.keys = QueueKeys(queue)
+        self.queues = [QueueKeys(queue) for queue in queues]
 
     def texts(self) -> list[str]:
-        workers = self.client.zrange(
-            self.keys.known_workers, int(time.time() - KNOWN_WORKERS_S), "+inf", byscore=True
-        )
-        if not workers:
-            return []
-        texts = self.client.mget([self.keys.worker_metrics(w.decode()) for w in workers])
-        return [text.decode() for text in texts if text is not None]
+        found = []
+        for keys in self.queues:
+            workers = self.client.zrange(
+                keys.known_workers, int(time.time() - KNOWN_WORKERS_S), "+inf", byscore=True
+            )
+            if workers:
+                texts = self.client.mget([keys.worker_metrics(w.decode()) for w in workers])
+                found += [text.decode() for text in texts if text is not None]
+        return found
 
     def collect(self) -> list[Metric]:
         families: dict[str, Metric] = {}
@@ -127,33 +130,43 @@ class WorkerMetricsCollector:
 
 
 class CapacityCollector:
-    """The queue's GPU recommendation and live GPUs, read from Redis at each scrape."""
+    """Each model's GPU recommendation, live GPUs and GPU time per request, read from Redis at
+    each scrape."""
 
-    def __init__(self, client: redis.Redis, queue: str, policy: Policy) -> None:
+    def __init__(self, client: redis.Redis, models: Sequence[tuple[str, Policy]]) -> None:
         self.client = client
-        self.queue = queue
-        self.policy = policy
+        self.models = models
 
     def collect(self) -> list[Metric]:
-        advice = observed(self.client, self.queue, self.policy)
         recommended = GaugeMetricFamily(
             "sampling_gpus_recommended",
             "GPUs (workers) the demand of the last minute's busiest 10 s needs at the fill target",
             labels=["queue"],
         )
-        recommended.add_metric([self.queue], advice.needed_gpus)
         live = GaugeMetricFamily(
             "sampling_gpus_live",
             f"Workers of the queue that heartbeated in the last {HEARTBEAT_TIMEOUT_MS / 1000:g} s",
             labels=["queue"],
         )  # fmt: skip
-        live.add_metric([self.queue], advice.live_gpus)
-        return [recommended, live]
+        cost = GaugeMetricFamily(
+            "sampling_gpu_ms_per_request",
+            "Live GPUs' time per request that asked them over the last minute (ms): what a "
+            "request costs; a full batch's call time over its size at best",
+            labels=["queue"],
+        )
+        for queue, policy in self.models:
+            advice = observed(self.client, queue, policy)
+            recommended.add_metric([queue], advice.needed_gpus)
+            live.add_metric([queue], advice.live_gpus)
+            if advice.rate_rps > 0:
+                cost.add_metric([queue], 1000 * advice.live_gpus / advice.rate_rps)
+        return [recommended, live, cost]
 
 
-def exposition(client: redis.Redis, queue: str, policy: Policy) -> bytes:
-    """This node's web processes (all of them, from the multiprocess files), every worker,
-    and the queue's GPU recommendation under `policy` (the one this node applies)."""
+def exposition(client: redis.Redis, models: Sequence[tuple[str, Policy]]) -> bytes:
+    """This node's web processes (all of them, from the multiprocess files), every worker of
+    every model, and each model's GPU recommendation under its policy (the one this node
+    applies): `models` is (queue, policy) pairs."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         web = CollectorRegistry()
         MultiProcessCollector(web)
@@ -163,8 +176,8 @@ def exposition(client: redis.Redis, queue: str, policy: Policy) -> bytes:
 
         text = generate_latest(REGISTRY)
     for name, collector in (
-        ("workers' metrics", WorkerMetricsCollector(client, queue)),
-        ("GPU recommendation", CapacityCollector(client, queue, policy)),
+        ("workers' metrics", WorkerMetricsCollector(client, [queue for queue, _ in models])),
+        ("GPU recommendation", CapacityCollector(client, models)),
     ):
         registry = CollectorRegistry(auto_describe=False)
         registry.register(collector)

@@ -22,7 +22,7 @@ from batching.topology import REDIS_FAULTS
 from sampling import metrics
 from sampling.responses import Invalid
 from sampling.routing import route, sticky_of
-from sampling.runtime import ServedModel, WebProcess, listed_models, web_process
+from sampling.runtime import ServedModel, WebProcess, web_process
 from sampling.submission import charge, submit
 from sampling.wrappers import Handled, answer_failure, counted
 
@@ -86,11 +86,14 @@ sample = counted(_sample, _failure)
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    """Prometheus exposition: every web process of this node, and every worker of the queue."""
+    """Prometheus exposition: every web process of this node, and every model's workers and
+    GPU recommendation."""
     process = web_process()
+    models = [
+        (name, process.model(name).watcher.current) for name in process.catalog.current.models
+    ]
     return HttpResponse(
-        metrics.exposition(process.client, process.aggregator.queue, process.watcher.current),
-        content_type=CONTENT_TYPE_LATEST,
+        metrics.exposition(process.client, models), content_type=CONTENT_TYPE_LATEST
     )
 
 
@@ -99,18 +102,19 @@ def healthz(request: HttpRequest) -> HttpResponse:
 
 
 def readyz(request: HttpRequest) -> HttpResponse:
-    """Ready when Redis answers and every model the environment lists has a live worker."""
+    """Ready when Redis answers and the default model (or `?model=`'s) has a live worker: a
+    web process serves every model, and one model without a worker must not take the
+    others' traffic away with the web pods (its requests get a fast 503 instead)."""
     process = web_process()
+    name = request.GET.get("model") or process.default_model
     try:
         process.client.ping()
-        live = {name: process.model(name).read_live_workers() for name, _ in listed_models()}
+        workers = process.model(name).read_live_workers()
     except REDIS_FAULTS as exc:  # on a cluster, RedisClusterException is not a RedisError
         return _not_ready(f"not ready: Redis does not answer ({type(exc).__name__})")
-    missing = [repr(name) for name, workers in live.items() if workers == 0]
-    if missing:
-        return _not_ready(f"not ready: no live worker for queue {', '.join(missing)}")
-    ready = ", ".join(f"{workers} worker(s) for queue {name!r}" for name, workers in live.items())
-    return _text(200, f"ready: {ready}\n")
+    if workers == 0:
+        return _not_ready(f"not ready: no live worker for queue {name!r}")
+    return _text(200, f"ready: {workers} worker(s) for queue {name!r}\n")
 
 
 def _not_ready(reason: str) -> HttpResponse:

@@ -202,10 +202,17 @@ class Stack:
                     raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
             # Every web process booted, not only the first to answer: a request accepted by one
             # still importing would wait, and the booting one takes the CPU the others serve on.
-            if self._web_processes_booted() and _http_status(self.base_url + path) == 200:
+            if self._web_processes_booted() and all(
+                _http_status(self.base_url + path + query) == 200 for query in self._ready_queries()
+            ):
                 return
             time.sleep(0.2)
         raise RuntimeError(f"{self.base_url}{path} not ready after {timeout_s} s")
+
+    def _ready_queries(self) -> list[str]:
+        """/readyz for the default model, and for each other model a worker was started for."""
+        models = {model[0] for model in self.worker_models if model is not None}
+        return ["", *(f"?model={name}" for name in sorted(models))]
 
     def _web_processes_booted(self) -> bool:
         if self._ready_dir is None:

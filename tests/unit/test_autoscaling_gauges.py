@@ -53,7 +53,7 @@ def feed(
 
 
 def gauges(client: redis.Redis, queue: str, policy: Policy) -> dict[str, float]:
-    text = exposition(client, queue, policy).decode()
+    text = exposition(client, [(queue, policy)]).decode()
     found = {}
     for family in text_string_to_metric_families(text):
         if family.name in ("sampling_gpus_recommended", "sampling_gpus_live"):
@@ -155,3 +155,24 @@ def test_a_burst_inside_a_lighter_minute_asks_for_the_gpus_it_needed(
     assert board.recommendation.needed_gpus == by_hand
     assert board.recommendation.verdict == (UNDER if by_hand > 1 else RIGHT)
     assert board.recommendation.rate_rps < 900  # the minute's mean alone reads right-sized
+
+
+def test_each_model_has_its_gauges_and_its_gpu_time_per_request(
+    redis_client: redis.Redis,
+) -> None:
+    busy, idle, policy = unique_queue("gauges"), unique_queue("gauges"), Policy()
+    # 800 req/s asking the GPUs (200 more refused as bad requests: no GPU demand).
+    feed(redis_client, busy, policy=policy, ok_per_s=800, bad_per_s=200, batches_per_s=10,
+         batch_size=80, call_ms=100)  # fmt: skip
+    for queue, workers in ((busy, 2), (idle, 1)):
+        for index in range(workers):
+            BatchAggregator(redis_client, queue).workers.heartbeat(f"worker-{index}")
+    text = exposition(redis_client, [(busy, policy), (idle, policy)]).decode()
+    by_family = {family.name: family for family in text_string_to_metric_families(text)}
+    live = {s.labels["queue"]: s.value for s in by_family["sampling_gpus_live"].samples}
+    assert live == {busy: 2, idle: 1}
+    cost = by_family["sampling_gpu_ms_per_request"].samples
+    # 2 GPUs for 800 requests/s: 2,000 GPU-ms per second over 800 requests, 2.5 ms each; the
+    # idle model asks nothing, so it has no figure rather than an infinite one.
+    assert [s.labels["queue"] for s in cost] == [busy]
+    assert cost[0].value == pytest.approx(2.5)

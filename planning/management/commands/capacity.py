@@ -1,5 +1,7 @@
 """`python manage.py capacity --rps 20000 --deadline-ms 500`: how many GPUs, web nodes and Redis
-shards.
+shards. With several models (`--model chat:2000:500 --model embed:500:200:40`, or `--mix FILE`
+of such lines: NAME:RPS:DEADLINE_MS[:CALL_MS]): the GPUs of each model, and the web nodes and
+Redis shards of the whole mix.
 
 The answer comes from a discrete-event simulation of the service's own policy
 (planning/simulation.py): Poisson arrivals, lazy sealing by free GPUs, deadline drops and
@@ -18,7 +20,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from batching.policy import MAX_BATCH_SIZE
-from planning import simulation
+from planning import mix, simulation
 from planning.costs import MEASURED, MEASURED_SHARD
 
 # Front-end CPU per /sample request, measured by `make bench-compare` (docs/benchmarks:
@@ -112,8 +114,16 @@ class Command(BaseCommand):
     help = "The fewest GPUs (and web nodes) that keep a latency percentile within the deadline."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--rps", type=float, required=True, help="offered requests/s")
-        parser.add_argument("--deadline-ms", type=float, required=True)
+        parser.add_argument("--rps", type=float, help="offered requests/s (one model)")
+        parser.add_argument("--deadline-ms", type=float, help="(one model)")
+        parser.add_argument(
+            "--model",
+            action="append",
+            default=[],
+            metavar="NAME:RPS:DEADLINE_MS[:CALL_MS]",
+            help="one model of a mix (repeat the option; CALL_MS defaults to --batch-ms)",
+        )
+        parser.add_argument("--mix", help="a file of NAME:RPS:DEADLINE_MS[:CALL_MS] lines")
         parser.add_argument("--batch-ms", type=float, default=100.0, help="one call's time")
         parser.add_argument("--max-batch", type=int, default=MAX_BATCH_SIZE)
         parser.add_argument(
@@ -158,6 +168,13 @@ class Command(BaseCommand):
         parser.add_argument("--table", action="store_true", help=f"also plan {TABLE_RATES}")
 
     def handle(self, *args: Any, **raw: Any) -> None:
+        if raw["model"] or raw["mix"]:
+            if raw["rps"] is not None or raw["deadline_ms"] is not None:
+                raise CommandError("give --rps and --deadline-ms, or a mix (--model, --mix)")
+            self.plan_mix(raw)
+            return
+        if raw["rps"] is None or raw["deadline_ms"] is None:
+            raise CommandError("--rps and --deadline-ms are required (or a mix: --model, --mix)")
         options = Options.parse(raw)
         base = options.scenario(options.rps)
         q = options.percentile
@@ -211,6 +228,51 @@ class Command(BaseCommand):
         if options.table:
             write("")
             write(self.table(options))
+
+    def plan_mix(self, raw: dict[str, Any]) -> None:
+        """Each model's GPUs, then the web nodes and Redis shards of the whole mix."""
+        try:
+            loads = mix.read_mix(raw["model"], raw["mix"], raw["batch_ms"])
+        except mix.MixError as exc:
+            raise CommandError(str(exc)) from None
+        q = raw["percentile"]
+        if not 0 < q <= 100:
+            raise CommandError("--percentile must be in (0, 100]")
+        lines = [
+            f"| model | req/s | deadline | call | GPUs (p{q:g}) | goodput | batch fill | p99 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        total_gpus = 0
+        for load in loads:
+            options = Options.parse({**raw, "rps": load.rps, "deadline_ms": load.deadline_ms,
+                                     "batch_ms": load.batch_ms})  # fmt: skip
+            base = options.scenario(load.rps)
+            if base.batch_ms + base.path_ms > base.deadline_ms:
+                raise CommandError(
+                    f"{load.name}: one call ({load.batch_ms:g} ms) plus the request path is "
+                    f"past its {load.deadline_ms:g} ms deadline"
+                )
+            plan = simulation.fewest_gpus(base, q)
+            out = plan.outcome
+            total_gpus += plan.gpus
+            lines.append(
+                f"| {load.name} | {load.rps:,.0f} | {load.deadline_ms:g} ms | {load.batch_ms:g} ms "
+                f"| {plan.gpus} | {out.goodput_rps:,.0f} | {out.mean_batch / base.max_batch:.0%} "
+                f"| {_ms(out.percentile_ms(99))} |"
+            )
+        total_rps = sum(load.rps for load in loads)
+        options = Options.parse({**raw, "rps": total_rps, "deadline_ms": loads[0].deadline_ms})
+        write = self.stdout.write
+        write(f"{len(loads)} models, {total_rps:,.0f} req/s in all:")
+        write("")
+        write("\n".join(lines))
+        write("")
+        write(f"GPUs in all:   {total_gpus}  (each model its own: a worker serves one model)")
+        write(f"web nodes:     {options.web_nodes(total_rps)}  ({options.web_basis})")
+        write(
+            f"Redis shards:  {options.redis_shards(total_rps)}  (masters for the whole mix, at "
+            f"{options.redis_basis})"
+        )
 
     def table(self, options: Options) -> str:
         q = options.percentile
