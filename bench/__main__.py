@@ -29,6 +29,7 @@ BENCHMARKS = (
     "shard_ceiling",
     "farm",
     "burst",
+    "routing",
 )
 # Benchmarks whose measurements run on gevent: patched before anything else is imported.
 GEVENT = {"frontend"}

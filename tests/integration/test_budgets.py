@@ -27,6 +27,7 @@ from tests.support.waiting import wait_until
 pytestmark = pytest.mark.integration
 
 PROMPT_PRICE, COMPLETION_PRICE = Decimal("1.5"), Decimal("2.25")  # per 1,000 tokens
+PRICED = "priced for the test"
 # The refusal's delay (docs/guides/usage.md): one statistics flush (1 s) and one key poll
 # (0.5 s) after the answer that reached the budget; and this test's own poll of its answers.
 REFUSAL_WITHIN_S = 1.0 + 0.5 + 1.0
@@ -48,12 +49,31 @@ def priced() -> str:
 
 @pytest.fixture(scope="module")
 def stack(start_stack: Callable[..., Stack], priced: str) -> Iterator[Stack]:
-    env = {"SAMPLING_MODELS": f"{priced}=simulated", "SAMPLING_QUEUE": priced}
+    # Keys required: a key a web process does not know yet is refused, not served anonymously.
+    env = {"SAMPLING_MODELS": f"{priced}=simulated", "SAMPLING_QUEUE": priced,
+           "SAMPLING_REQUIRE_API_KEY": "1"}  # fmt: skip
     stack = start_stack("budgets", env=env, web_processes=2)
     manage(stack, "registermodel", priced, "--prompt-price", str(PROMPT_PRICE),
-           "--completion-price", str(COMPLETION_PRICE))  # fmt: skip
+           "--completion-price", str(COMPLETION_PRICE), "--description", PRICED)  # fmt: skip
     yield stack
     manage(stack, "registermodel", priced, "--delete")
+
+
+def known(stack: Stack, key: str) -> bool:
+    """Whether every web process has the key (keys are required: an unknown one gets 401)."""
+    return all(
+        request(stack.base_url, "/v1/usage", method="GET", headers=bearer(key)).status == 200
+        for _ in range(6)
+    )
+
+
+def registered(client: OpenAI, model: str) -> bool:
+    """Whether the registration (with its prices) reached the web processes: both answer
+    with its description (the model is served before it, listed by SAMPLING_MODELS, free)."""
+    return all(
+        (client.models.retrieve(model).model_extra or {}).get("description") == PRICED
+        for _ in range(6)
+    )
 
 
 def cost(usage: openai.types.CompletionUsage | None) -> Decimal:
@@ -74,15 +94,8 @@ def test_a_budget_refuses_its_key_once_spent_and_serves_it_again_when_raised(
     name = unique_queue("budgeted")
     key = create_key(stack, name, "--monthly-budget", str(budget))
     client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
-    wait_until(
-        lambda: (
-            request(stack.base_url, "/v1/usage", method="GET", headers=bearer(key)).status == 200
-        ),
-        what="the key published",
-    )
-    # The price reaches the web processes with the registry.
-    wait_until(lambda: (client.models.retrieve(priced).model_extra or {}).get("workers"),
-               what="the priced model served")  # fmt: skip
+    wait_until(lambda: known(stack, key), what="the key in every web process")
+    wait_until(lambda: registered(client, priced), what="the prices in every web process")
     answered: list[tuple[float, Decimal]] = []  # (when, what it cost) of every 200
     refusal: openai.RateLimitError | None = None
     for i in range(200):
@@ -129,12 +142,8 @@ def test_spend_counts_per_model_and_keys_without_a_budget_are_never_refused(
 ) -> None:
     key = create_key(stack, unique_queue("unbudgeted"))
     client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
-    wait_until(
-        lambda: (
-            request(stack.base_url, "/v1/usage", method="GET", headers=bearer(key)).status == 200
-        ),
-        what="the key published",
-    )
+    wait_until(lambda: known(stack, key), what="the key in every web process")
+    wait_until(lambda: registered(client, priced), what="the prices in every web process")
     total = sum(
         (cost(client.completions.create(model=priced, prompt=f"free {i}").usage)
          for i in range(40)), Decimal(0)

@@ -324,8 +324,8 @@ def test_the_openapi_document_describes_every_endpoint(api: Stack) -> None:
     reply = request(api.base_url, "/v1/openapi.json", method="GET")
     document = json.loads(reply.body)
     assert set(document["paths"]) == {
-        "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}",
-        "/api/inference", "/v1/usage",
+        "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models",
+        "/v1/models/{model_id}", "/api/inference", "/v1/usage",
     }  # fmt: skip
 
 
@@ -404,6 +404,7 @@ def test_an_unreachable_queue_raises_a_503_with_retry_after(
     # No worker can reach the dead broker: one that heartbeats stands in for the workers of
     # a broker that just went away.
     with StalledWorker(stack.env["REDIS_URL"], stack.env["SAMPLING_QUEUE"]):
+        wait_until(lambda: request(stack.base_url, "/readyz", method="GET").status == 200)
         with pytest.raises(openai.InternalServerError) as raised:
             client.chat.completions.create(
                 model=stack.env["SAMPLING_QUEUE"], messages=[{"role": "user", "content": "hi"}]

@@ -1,0 +1,169 @@
+"""Front-end CPU per request with routing by model: one model, and a request spread over 3.
+
+    .venv/bin/python -m bench routing --against REF [--rounds 5] [--rate 400] [--seconds 8]
+
+Cases, each a fresh simulated stack (one CPU worker per model, 2 gevent web processes) on
+one embedded Redis, measured in alternating rounds (their order reversed every other round):
+
+- `REF` and `REF (A/A)`: the older tree, twice, to show how far two runs of the same code
+  spread on this machine;
+- `this, 1 model`: this tree serving one model (SAMPLING_QUEUE);
+- `this, 3 models`: this tree serving three (SAMPLING_MODELS), each request naming one of
+  them in turn.
+
+Each case gets `--rate` /v1/completions requests per second (one prompt, the openai client's
+body; every answer checked) and as many /sample requests, open loop, constant arrivals, by
+the harness's generator; the web processes' CPU (from /proc) over the requests is the figure.
+It prints the medians and each case's change against REF, beside the A/A spread; and, in
+the 3-model case, with one model's worker stopped, how fast a request for it gets its 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import itertools
+import json
+import statistics
+import time
+
+from bench.harness import loadgen
+from bench.harness.machine import describe_machine
+from bench.harness.procstat import cpu_seconds
+from bench.harness.report import markdown_table
+from bench.harness.stack import Stack, new_queue, simulated_env, simulated_stack
+from bench.harness.trees import THIS, Tree, in_turn, worktree
+from inference_site.lib.embedded_redis import EmbeddedRedis
+from workers.samplers.simulated import expected_completion
+
+MODELS = 3
+PATHS = ("/v1/completions", "/sample")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--against", required=True, help="the git ref before routing")
+    parser.add_argument("--rounds", type=int, default=5, help="default 5")
+    parser.add_argument("--rate", type=float, default=400.0, help="req/s per path, default 400")
+    parser.add_argument("--seconds", type=float, default=8.0, help="per path, default 8")
+
+
+def _protocol(models: list[str]) -> loadgen.Protocol:
+    """/v1/completions with one prompt, naming the models in turn."""
+    turn = itertools.cycle(models)
+
+    def body(prompt: str) -> bytes:
+        return json.dumps({"model": next(turn), "prompt": prompt}).encode()
+
+    def answer(raw: bytes) -> str:
+        return str(json.loads(raw)["choices"][0]["text"])
+
+    return loadgen.Protocol("application/json", body, answer)
+
+
+def _measure(stack: Stack, models: list[str], rate: float, seconds: float) -> dict[str, float]:
+    """CPU ms per request of the stack's web processes, per path."""
+    assert stack.web is not None
+    found = {}
+    for path in PATHS:
+        protocol = _protocol(models) if path != "/sample" else None
+        # A second of warm-up first: the processes' first requests load what a request needs.
+        for duration, counted in ((1.0, False), (seconds, True)):
+            before = cpu_seconds(stack.web.pid)
+            results = loadgen.run(
+                "127.0.0.1", stack.port, path, rate, duration,
+                prompt=lambda i: f"routing {i}", expected=expected_completion,
+                protocol=protocol, constant=True,
+            )  # fmt: skip
+            used = cpu_seconds(stack.web.pid) - before
+            if counted:
+                bad = len(results.outcomes) - results.outcomes.count("ok")
+                if bad:
+                    raise SystemExit(f"{bad} requests not answered right on {path}")
+                found[path] = used / len(results.outcomes) * 1000
+    return found
+
+
+def _refusals_ms(stack: Stack, model: str, count: int = 100) -> list[float]:
+    """Stop `model`'s worker (SIGTERM: its goodbye), then time `count` sequential requests
+    for it once they are refused: how fast a model without a worker gets its 503."""
+    index = next(i for i, m in enumerate(stack.worker_models) if m and m[0] == model)
+    stack.stop_process(stack.workers[index])
+    body = json.dumps({"model": model, "prompt": "anyone?"}).encode()
+    headers = {"Content-Type": "application/json"}
+    times: list[float] = []
+    give_up = time.monotonic() + 30
+    while len(times) < count and time.monotonic() < give_up:
+        connection = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=10)
+        started = time.perf_counter()
+        connection.request("POST", "/v1/completions", body=body, headers=headers)
+        response = connection.getresponse()
+        response.read()
+        elapsed = (time.perf_counter() - started) * 1000
+        connection.close()
+        if response.status == 503:
+            times.append(elapsed)
+    return times
+
+
+def _case(tree: Tree, redis_url: str, models: int) -> tuple[Stack, list[str]]:
+    names = [new_queue("route") for _ in range(models)]
+    env = simulated_env(redis_url, names[0], log_level=None)
+    if models > 1:
+        env["SAMPLING_MODELS"] = ",".join(names)
+    return simulated_stack(env, [None], root=tree.root), names
+
+
+def main(args: argparse.Namespace) -> None:
+    print(describe_machine(), flush=True)
+    figures: dict[str, dict[str, list[float]]] = {}
+    refusals: list[float] = []
+    with contextlib.ExitStack() as resources:
+        before = Tree(args.against[:8], resources.enter_context(worktree(args.against)))
+        cases = [
+            (before.name, before, 1),
+            (f"{before.name} (A/A)", before, 1),
+            ("this, 1 model", THIS, 1),
+            (f"this, {MODELS} models", THIS, MODELS),
+        ]
+        server = EmbeddedRedis().start()
+        resources.callback(server.stop)
+        for round_number in range(args.rounds):
+            for name, tree, models in in_turn(cases, round_number):
+                stack, names = _case(tree, server.url, models)
+                try:
+                    stack.start(timeout_s=120)
+                    measured = _measure(stack, names, args.rate, args.seconds)
+                    if models > 1:
+                        refusals += _refusals_ms(stack, names[-1])
+                finally:
+                    stack.stop()
+                row = figures.setdefault(name, {path: [] for path in PATHS})
+                for path, value in measured.items():
+                    row[path].append(value)
+                shown = ", ".join(f"{path} {value:.3f}" for path, value in measured.items())
+                print(f"  round {round_number + 1} {name}: {shown} ms", flush=True)
+    report(figures, before.name, args)
+    refusals.sort()
+    print(
+        f"\nA model without a live worker (its worker stopped), {len(refusals)} sequential "
+        f"/v1/completions: 503 in p50 {statistics.median(refusals):.1f} ms, p99 "
+        f"{refusals[int(len(refusals) * 0.99) - 1]:.1f} ms, max {refusals[-1]:.1f} ms"
+    )
+
+
+def report(figures: dict[str, dict[str, list[float]]], base: str, args: argparse.Namespace) -> None:
+    medians = {
+        name: {path: statistics.median(values) for path, values in row.items()}
+        for name, row in figures.items()
+    }
+    print(
+        f"\nFront-end CPU per request (ms, medians of {args.rounds} alternating rounds, "
+        f"{args.rate:g} req/s per path for {args.seconds:g} s)\n"
+    )
+    cells = []
+    for name, row in medians.items():
+        changes = [f"{row[path] / medians[base][path] - 1:+.1%}" for path in PATHS]
+        cells.append([name, *(f"{row[path]:.3f}" for path in PATHS), *changes])
+    header = ["case", *PATHS, *(f"{path} vs {base}" for path in PATHS)]
+    print(markdown_table(header, cells))
