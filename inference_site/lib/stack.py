@@ -131,7 +131,8 @@ class Stack:
         """One worker per GPU of `gpus` (None: a CPU worker) for the one model; with
         SAMPLING_MODELS listing several, at least one worker per model, the GPUs dealt to
         the models in turn."""
-        models = env_models("SAMPLING_MODELS", "hf", environ=self.environment())
+        environ = self.environment()
+        models = env_models("SAMPLING_MODELS", env_str("SAMPLER", "hf", environ), environ)
         if not models or not self.gpus:
             return [(gpu, None) for gpu in self.gpus]
         count = max(len(self.gpus), len(models))

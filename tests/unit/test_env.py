@@ -78,3 +78,18 @@ def test_cpu_profile_fills_only_what_is_unset_and_only_for_a_model() -> None:
     unset = {name: value for name, value in CPU_PROFILE.items() if name != "SAMPLING_DEADLINE_MS"}
     assert cpu_profile({"SAMPLER": "hf", "SAMPLING_DEADLINE_MS": "800"}) == unset
     assert cpu_profile({"SAMPLER": "simulated"}) == {}
+
+
+def test_make_run_starts_a_worker_for_each_model_with_its_sampler() -> None:
+    from inference_site.lib.stack import Stack
+
+    models = {"SAMPLER": "simulated", "SAMPLING_MODELS": "chat, embed=simulated-embedder"}
+    assert Stack(env=models, gpus=[None]).worker_plan() == [
+        (None, ("chat", "simulated")), (None, ("embed", "simulated-embedder"))
+    ]  # fmt: skip
+    # GPUs are dealt to the models in turn, at least one worker per model.
+    assert [plan[0] for plan in Stack(env=models, gpus=[0, 1, 2]).worker_plan()] == [0, 1, 2]
+    assert [plan[1][0] for plan in Stack(env=models, gpus=[0, 1, 2]).worker_plan()] == [
+        "chat", "embed", "chat"
+    ]  # fmt: skip
+    assert Stack(env={"SAMPLING_MODELS": ""}, gpus=[0, 1]).worker_plan() == [(0, None), (1, None)]
