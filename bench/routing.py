@@ -2,14 +2,19 @@
 
     .venv/bin/python -m bench routing --against REF [--rounds 5] [--rate 400] [--seconds 8]
 
-Cases, each a fresh simulated stack (one CPU worker per model, 2 gevent web processes) on
-one embedded Redis, measured in alternating rounds (their order reversed every other round):
+Cases, each a fresh simulated stack (3 CPU workers standing for 3 GPUs, 2 gevent web
+processes) on one embedded Redis, measured in alternating rounds (their order reversed every
+other round):
 
 - `REF` and `REF (A/A)`: the older tree, twice, to show how far two runs of the same code
   spread on this machine;
 - `this, 1 model`: this tree serving one model (SAMPLING_QUEUE);
-- `this, 3 models`: this tree serving three (SAMPLING_MODELS), each request naming one of
-  them in turn.
+- `this, 3 models`: this tree serving three (SAMPLING_MODELS, a worker each), each request
+  naming one of them in turn.
+
+The same three workers in every case keep the batches alike (a batch per worker per call,
+each a third of the requests): CPU per request then differs by what routing costs, not by
+how full the batches are.
 
 Each case gets `--rate` /v1/completions requests per second (one prompt, the openai client's
 body; every answer checked) and as many /sample requests, open loop, constant arrivals, by
@@ -109,9 +114,12 @@ def _refusals_ms(stack: Stack, model: str, count: int = 100) -> list[float]:
 def _case(tree: Tree, redis_url: str, models: int) -> tuple[Stack, list[str]]:
     names = [new_queue("route") for _ in range(models)]
     env = simulated_env(redis_url, names[0], log_level=None)
-    if models > 1:
+    if models > 1:  # a worker per model
         env["SAMPLING_MODELS"] = ",".join(names)
-    return simulated_stack(env, [None], root=tree.root), names
+        return simulated_stack(env, [None], root=tree.root), names
+    # As many workers as the models of the other case: the same GPUs, so the same batches
+    # per second and the same fill, whether they serve one model or three.
+    return simulated_stack(env, [None] * MODELS, root=tree.root), names
 
 
 def main(args: argparse.Namespace) -> None:
