@@ -102,15 +102,34 @@ def reconcile_catalog(client: redis.Redis) -> None:
         live_catalog.publish(client, wanted)
 
 
+# Keys read from the database per query (SQLite takes up to 32,766 parameters, older builds
+# 999): a few thousand keys' last use costs a few queries, not one per key.
+LAST_USED_CHUNK = 500
+
+
 def record_last_used(client: redis.Redis) -> int:
-    """Copy when each key was last used from Redis to its row; returns the rows updated."""
-    updated = 0
-    for key_id, at in access.last_used(client).items():
-        moment = datetime.fromtimestamp(at, tz=UTC)
-        updated += (
-            ApiKey.objects.filter(pk=key_id).exclude(last_used__gte=moment).update(last_used=moment)
-        )
-    return updated
+    """Copy when each key was last used from Redis to its row, in a few queries whatever the
+    number of keys (this runs in a web process every few seconds: a query per key would hold
+    its requests); a key deleted since is dropped from Redis. Returns the rows updated."""
+    seen = access.last_used(client)
+    changed: list[ApiKey] = []
+    gone: list[int] = []
+    ids = sorted(seen)
+    for start in range(0, len(ids), LAST_USED_CHUNK):
+        chunk = ids[start : start + LAST_USED_CHUNK]
+        stored = dict(ApiKey.objects.filter(pk__in=chunk).values_list("pk", "last_used"))
+        for key_id in chunk:
+            if key_id not in stored:
+                gone.append(key_id)
+                continue
+            moment = datetime.fromtimestamp(seen[key_id], tz=UTC)
+            before = stored[key_id]
+            if before is None or before < moment:
+                changed.append(ApiKey(pk=key_id, last_used=moment))
+    ApiKey.objects.bulk_update(changed, ["last_used"], batch_size=LAST_USED_CHUNK)
+    if gone:
+        client.hdel(access.KEYS.last_used, *gone)
+    return len(changed)
 
 
 def prune(queue: str, retention_days: int, usage_retention_days: int | None = None) -> int:

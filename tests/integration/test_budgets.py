@@ -7,9 +7,6 @@ served again once its budget is raised."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from decimal import Decimal
@@ -18,10 +15,11 @@ import openai
 import pytest
 from openai import OpenAI
 
-from inference_site.lib.stack import ROOT, Stack
+from inference_site.lib.stack import Stack
 from tests.support import unique_queue
 from tests.support.http import request
 from tests.support.keys import bearer, create_key
+from tests.support.manage import manage
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -31,15 +29,6 @@ PRICED = "priced for the test"
 # The refusal's delay (docs/guides/usage.md): one statistics flush (1 s) and one key poll
 # (0.5 s) after the answer that reached the budget; and this test's own poll of its answers.
 REFUSAL_WITHIN_S = 1.0 + 0.5 + 1.0
-
-
-def manage(stack: Stack, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "manage.py"), *args],
-        env={**os.environ, **stack.environment()}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 @pytest.fixture(scope="module")

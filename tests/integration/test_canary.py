@@ -6,9 +6,6 @@ the bad one is rolled back; the healthy one is still served after the same time.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,9 +14,10 @@ import openai
 import pytest
 from openai import OpenAI
 
-from inference_site.lib.stack import ROOT, Stack
+from inference_site.lib.stack import Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER, unique_queue
 from tests.support.admin_client import AdminSession
+from tests.support.manage import manage
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -28,15 +26,6 @@ WINDOW_S = 20
 MIN_REQUESTS = 60
 # The rule's window, one judgement (every 5 to 10 s) and a statistics flush.
 ROLLBACK_WITHIN_S = WINDOW_S + 10 + 2
-
-
-def manage(stack: Stack, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "manage.py"), *args],
-        env={**os.environ, **stack.environment()}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,6 @@ comes back; an alias that splits 90/10, sticky per API key."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,9 +15,10 @@ import pytest
 from openai import OpenAI
 
 from batching.embeddings import decode, shortened
-from inference_site.lib.stack import ROOT, Stack
+from inference_site.lib.stack import Stack
 from tests.support import unique_queue
 from tests.support.http import request
+from tests.support.manage import manage
 from tests.support.waiting import wait_until
 from workers.samplers.embedder import SimulatedEmbedder, expected_embedding
 
@@ -54,16 +52,6 @@ def stack(start_stack: Callable[..., Stack], models: tuple[str, str], embedder: 
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> OpenAI:
     return OpenAI(base_url=f"{stack.base_url}/v1", api_key="-", max_retries=0)
-
-
-def manage(stack: Stack, *args: str) -> str:
-    """A management command against the stack's database and Redis: its output."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "manage.py"), *args],
-        env={**os.environ, **stack.environment()}, capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 @pytest.fixture

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import redis
 from django.test import override_settings
 from django.utils import timezone
 
-from batching import stats
+from batching import access, stats
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
@@ -245,3 +246,29 @@ def test_usage_counts_what_was_flushed_before_the_first_minute_was_taken(
     with override_settings(SAMPLING_QUEUE=queue):
         [persisted] = usage.usage_of_key(live_redis, key.pk, day, now + 120)
     assert (persisted.usage.prompt_tokens, persisted.usage.completion_tokens) == (7, 4)
+
+
+def test_last_use_is_copied_in_a_few_queries_and_deleted_keys_are_dropped(
+    live_redis: redis.Redis, django_assert_max_num_queries: Any
+) -> None:
+    tier = Tier.objects.get(name="free")
+    keys = [ApiKey(name=f"used {i}", tier=tier) for i in range(1200)]
+    for key in keys:
+        key.issue()
+    ApiKey.objects.bulk_create(keys)
+    ids = list(ApiKey.objects.filter(name__startswith="used ").values_list("pk", flat=True))
+    gone = max(ids) + 10_000  # a key deleted since it was last seen
+    at = int(timezone.now().timestamp())
+    live_redis.hset(access.KEYS.last_used, mapping={**{str(i): at for i in ids}, str(gone): at})
+    try:
+        # 1,200 keys: three reads and three writes of 500, not a query per key.
+        with django_assert_max_num_queries(8):
+            assert housekeeping.record_last_used(live_redis) == len(ids)
+        assert live_redis.hget(access.KEYS.last_used, str(gone)) is None
+        moment = datetime.fromtimestamp(at, tz=UTC)
+        assert set(ApiKey.objects.filter(pk__in=ids).values_list("last_used", flat=True)) == {
+            moment
+        }
+        assert housekeeping.record_last_used(live_redis) == 0  # nothing newer
+    finally:
+        live_redis.hdel(access.KEYS.last_used, *[str(i) for i in ids])
