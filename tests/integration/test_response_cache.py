@@ -21,6 +21,7 @@ from batching.aggregator import BatchAggregator
 from batching.keys import QueueKeys
 from batching.registry import HEARTBEAT_TIMEOUT_MS, WorkerRegistry
 from inference_site.lib.stack import Stack
+from tests.integration.test_usage import PROBES
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample
@@ -141,7 +142,7 @@ def known_key(stack: Stack) -> str:
         return all(
             "x-ratelimit-limit-requests"
             in request(stack.base_url, "/v1/completions", "{}", headers=bearer(key)).headers
-            for _ in range(8)
+            for _ in range(PROBES)
         )
 
     wait_until(known_everywhere, 5, "the key known to every web process")
