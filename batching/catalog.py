@@ -24,6 +24,7 @@ import random
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from decimal import Decimal, InvalidOperation
+from functools import cached_property
 
 import redis
 
@@ -93,8 +94,9 @@ class ModelEntry:
     def generates(self) -> bool:
         return self.kind == GENERATOR
 
-    @property
+    @cached_property
     def price(self) -> Price:
+        """Parsed once per entry (every answer is charged with it)."""
         return Price.per_thousand(self.prompt_price, self.completion_price)
 
 

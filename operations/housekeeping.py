@@ -44,10 +44,14 @@ log = logging.getLogger(__name__)
 
 
 def run(client: redis.Redis, queue: str, current: live_policy.Policy) -> None:
+    # The keys and the registry are the deployment's, not a model's: reconciled in the run
+    # of the default model (which every web process serves), not once per model.
+    deployment_wide = queue == settings.SAMPLING_QUEUE
     try:
         reconcile_policy(client, queue, current)
-        reconcile_access(client)
-        reconcile_catalog(client)
+        if deployment_wide:
+            reconcile_access(client)
+            reconcile_catalog(client)
         lock = client.lock(QueueKeys(queue).housekeeping_lock, timeout=60, blocking=False)
         if lock.acquire():
             try:
@@ -57,7 +61,8 @@ def run(client: redis.Redis, queue: str, current: live_policy.Policy) -> None:
                     settings.SAMPLING_STATS_RETENTION_DAYS,
                     settings.SAMPLING_USAGE_RETENTION_DAYS,
                 )
-                record_last_used(client)
+                if deployment_wide:
+                    record_last_used(client)
             finally:
                 lock.release()
     finally:
