@@ -1,13 +1,13 @@
 """Front-end CPU per request with routing by model: one model, and a request spread over 3.
 
-    .venv/bin/python -m bench routing --against REF [--rounds 5] [--rate 400] [--seconds 8]
+    .venv/bin/python -m bench routing --against REF [--rounds 15] [--rate 400] [--seconds 4]
 
-Cases, each a fresh simulated stack (3 CPU workers standing for 3 GPUs, 2 gevent web
-processes) on one embedded Redis, measured in alternating rounds (their order reversed every
-other round):
+Four simulated stacks (3 CPU workers standing for 3 GPUs, 2 gevent web processes each) on one
+embedded Redis, all started first and kept up, so that every case meets the machine as it is
+at the same minutes:
 
-- `REF` and `REF (A/A)`: the older tree, twice, to show how far two runs of the same code
-  spread on this machine;
+- `REF` and `REF (A/A)`: two stacks of the older tree, to show how far two stacks of the same
+  code read apart on this machine;
 - `this, 1 model`: this tree serving one model (SAMPLING_QUEUE);
 - `this, 3 models`: this tree serving three (SAMPLING_MODELS, a worker each), each request
   naming one of them in turn.
@@ -16,11 +16,15 @@ The same three workers in every case keep the batches alike (a batch per worker 
 each a third of the requests): CPU per request then differs by what routing costs, not by
 how full the batches are.
 
-Each case gets `--rate` /v1/completions requests per second (one prompt, the openai client's
-body; every answer checked) and as many /sample requests, open loop, constant arrivals, by
-the harness's generator; the web processes' CPU (from /proc) over the requests is the figure.
-It prints the medians and each case's change against REF, beside the A/A spread; and, in
-the 3-model case, with one model's worker stopped, how fast a request for it gets its 503.
+A round gives each stack in turn (the order reversed every other round) `--seconds` of
+`--rate` /v1/completions requests per second (one prompt, the openai client's body; every
+answer checked), then as many /sample requests, open loop, constant arrivals, by the
+harness's generator, each after half a second of warm-up; the figure is the stack's web
+processes' CPU (from /proc) over its requests. Short turns in many rounds, not one long run
+per stack, so that the machine's slow drifts (a noisy neighbour, the clock) fall on every case
+alike: the change against REF is the median over the rounds of each round's ratio, and the
+A/A row shows the spread of that statistic. It also prints, with one model's worker stopped
+in the 3-model stack, how fast a request for that model gets its 503.
 """
 
 from __future__ import annotations
@@ -44,13 +48,14 @@ from workers.samplers.simulated import expected_completion
 
 MODELS = 3
 PATHS = ("/v1/completions", "/sample")
+WARM_UP_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--against", required=True, help="the git ref before routing")
-    parser.add_argument("--rounds", type=int, default=5, help="default 5")
+    parser.add_argument("--rounds", type=int, default=15, help="default 15")
     parser.add_argument("--rate", type=float, default=400.0, help="req/s per path, default 400")
-    parser.add_argument("--seconds", type=float, default=8.0, help="per path, default 8")
+    parser.add_argument("--seconds", type=float, default=4.0, help="per path and turn, default 4")
 
 
 def _protocol(models: list[str]) -> loadgen.Protocol:
@@ -67,13 +72,13 @@ def _protocol(models: list[str]) -> loadgen.Protocol:
 
 
 def _measure(stack: Stack, models: list[str], rate: float, seconds: float) -> dict[str, float]:
-    """CPU ms per request of the stack's web processes, per path."""
+    """CPU ms per request of the stack's web processes, per path, over one turn."""
     assert stack.web is not None
     found = {}
     for path in PATHS:
         protocol = _protocol(models) if path != "/sample" else None
-        # A second of warm-up first: the processes' first requests load what a request needs.
-        for duration, counted in ((1.0, False), (seconds, True)):
+        # Warm-up first: the stack was idle while the others were measured.
+        for duration, counted in ((WARM_UP_S, False), (seconds, True)):
             before = cpu_seconds(stack.web.pid)
             results = loadgen.run(
                 "127.0.0.1", stack.port, path, rate, duration,
@@ -125,34 +130,33 @@ def _case(tree: Tree, redis_url: str, models: int) -> tuple[Stack, list[str]]:
 def main(args: argparse.Namespace) -> None:
     print(describe_machine(), flush=True)
     figures: dict[str, dict[str, list[float]]] = {}
-    refusals: list[float] = []
     with contextlib.ExitStack() as resources:
         before = Tree(args.against[:8], resources.enter_context(worktree(args.against)))
-        cases = [
+        server = EmbeddedRedis().start()
+        resources.callback(server.stop)
+        cases = {}
+        for name, tree, models in (
             (before.name, before, 1),
             (f"{before.name} (A/A)", before, 1),
             ("this, 1 model", THIS, 1),
             (f"this, {MODELS} models", THIS, MODELS),
-        ]
-        server = EmbeddedRedis().start()
-        resources.callback(server.stop)
+        ):
+            stack, names = _case(tree, server.url, models)
+            resources.callback(stack.stop)
+            stack.start(timeout_s=120)
+            cases[name] = (stack, names)
         for round_number in range(args.rounds):
-            for name, tree, models in in_turn(cases, round_number):
-                stack, names = _case(tree, server.url, models)
-                try:
-                    stack.start(timeout_s=120)
-                    measured = _measure(stack, names, args.rate, args.seconds)
-                    if models > 1:
-                        refusals += _refusals_ms(stack, names[-1])
-                finally:
-                    stack.stop()
+            for name in in_turn(list(cases), round_number):
+                stack, names = cases[name]
+                measured = _measure(stack, names, args.rate, args.seconds)
                 row = figures.setdefault(name, {path: [] for path in PATHS})
                 for path, value in measured.items():
                     row[path].append(value)
                 shown = ", ".join(f"{path} {value:.3f}" for path, value in measured.items())
                 print(f"  round {round_number + 1} {name}: {shown} ms", flush=True)
+        stack, names = cases[f"this, {MODELS} models"]
+        refusals = sorted(_refusals_ms(stack, names[-1]))
     report(figures, before.name, args)
-    refusals.sort()
     print(
         f"\nA model without a live worker (its worker stopped), {len(refusals)} sequential "
         f"/v1/completions: 503 in p50 {statistics.median(refusals):.1f} ms, p99 "
@@ -161,17 +165,19 @@ def main(args: argparse.Namespace) -> None:
 
 
 def report(figures: dict[str, dict[str, list[float]]], base: str, args: argparse.Namespace) -> None:
-    medians = {
-        name: {path: statistics.median(values) for path, values in row.items()}
-        for name, row in figures.items()
-    }
+    """Each case's median CPU per request, and its change against `base`: the median of the
+    rounds' ratios (each round's figure against `base`'s in the same round)."""
     print(
         f"\nFront-end CPU per request (ms, medians of {args.rounds} alternating rounds, "
-        f"{args.rate:g} req/s per path for {args.seconds:g} s)\n"
+        f"{args.rate:g} req/s per path for {args.seconds:g} s a turn)\n"
     )
     cells = []
-    for name, row in medians.items():
-        changes = [f"{row[path] / medians[base][path] - 1:+.1%}" for path in PATHS]
-        cells.append([name, *(f"{row[path]:.3f}" for path in PATHS), *changes])
+    for name, row in figures.items():
+        medians = [f"{statistics.median(row[path]):.3f}" for path in PATHS]
+        changes = [
+            statistics.median(a / b for a, b in zip(row[path], figures[base][path], strict=True))
+            for path in PATHS
+        ]
+        cells.append([name, *medians, *(f"{change - 1:+.1%}" for change in changes)])
     header = ["case", *PATHS, *(f"{path} vs {base}" for path in PATHS)]
     print(markdown_table(header, cells))
