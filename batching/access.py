@@ -27,8 +27,10 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from enum import StrEnum
+from typing import Any
 
 import redis
 
@@ -72,9 +74,30 @@ class Caller:
     rpm: int = 0  # requests per minute
     tpm: int = 0  # completion tokens per minute
     budget_nanos: int = 0  # spend per calendar month (UTC), in billionths (batching.budgets)
+    # The owner whose monthly budget the key shares with the owner's other keys, and that
+    # budget ("" and 0: none; batching.budgets).
+    owner: str = ""
+    owner_budget_nanos: int = 0
+
+    def published(self) -> dict[str, Any]:
+        """Its fields as published: those at their default left out, so that a web process
+        of an older version, which does not know a newer field, reads every record that
+        does not use it."""
+        return {
+            name: value
+            for name, value in asdict(self).items()
+            if name not in _CALLER_DEFAULTS or value != _CALLER_DEFAULTS[name]
+        }
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return json.dumps(self.published(), separators=(",", ":"))
+
+    @classmethod
+    def from_fields(cls, data: Mapping[str, Any]) -> Caller:
+        """A caller from its published fields; a field this version does not know is
+        ignored (a newer publisher during a rolling upgrade), one it lacks gets its
+        default (an older publisher)."""
+        return cls(**{name: value for name, value in data.items() if name in _CALLER_FIELDS})
 
 
 @dataclass(frozen=True)
@@ -87,7 +110,7 @@ class KeyRecord:
 
     def to_json(self) -> str:
         return json.dumps(
-            {**asdict(self.caller), "expires_at": self.expires_at, "revoked": self.revoked},
+            {**self.caller.published(), "expires_at": self.expires_at, "revoked": self.revoked},
             separators=(",", ":"),
         )
 
@@ -96,7 +119,14 @@ class KeyRecord:
         data = json.loads(raw)
         expires_at = data.pop("expires_at", None)
         revoked = bool(data.pop("revoked", False))
-        return cls(Caller(**data), None if expires_at is None else float(expires_at), revoked)
+        return cls(Caller.from_fields(data), None if expires_at is None else float(expires_at),
+                   revoked)  # fmt: skip
+
+
+_CALLER_FIELDS = frozenset(field.name for field in dataclass_fields(Caller))
+_CALLER_DEFAULTS = {
+    field.name: field.default for field in dataclass_fields(Caller) if field.default != MISSING
+}
 
 
 def anonymous_caller(priority: int = 0, rpm: int = 0, tpm: int = 0) -> Caller:
@@ -202,6 +232,8 @@ class AccessWatcher:
         self.limits_tokens = False
         # Key id -> monthly budget, of the keys that have one: their spend is read each poll.
         self.budgeted: dict[int, int] = {}
+        # Owner -> its key ids, of the owners that have a budget: all their keys' spend too.
+        self.owners_keys: dict[str, frozenset[int]] = {}
         self._after_poll: list[Callable[[], None]] = []
         self.loop = PeriodicLoop("access-watcher", self._poll, interval_s, "read the API keys")
 
@@ -263,7 +295,7 @@ class AccessWatcher:
             try:
                 if field.startswith("tier:"):
                     if field == tier_field(ANONYMOUS_TIER):
-                        anonymous = Caller(**json.loads(value))
+                        anonymous = Caller.from_fields(json.loads(value))
                 else:
                     keys[field] = KeyRecord.from_json(value)
             except (ValueError, TypeError) as exc:  # one bad record must not drop the others
@@ -273,6 +305,11 @@ class AccessWatcher:
         self.budgeted = {
             r.caller.key_id: r.caller.budget_nanos for r in keys.values() if r.caller.budget_nanos
         }
+        owners: dict[str, set[int]] = {}
+        for record in keys.values():
+            if record.caller.owner_budget_nanos:
+                owners.setdefault(record.caller.owner, set()).add(record.caller.key_id)
+        self.owners_keys = {owner: frozenset(ids) for owner, ids in owners.items()}
 
     def after_poll(self, job: Callable[[], None]) -> None:
         """Run `job` after each poll, in the poller's thread (it may raise redis errors)."""

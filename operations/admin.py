@@ -19,7 +19,15 @@ from batching import access, catalog
 from batching.outcomes import RequestOutcome
 from batching.policy import POLL_INTERVAL_S
 from operations import usage
-from operations.models import ApiKey, PolicyChange, SamplingPolicy, StatsMinute, Tier, UsageMinute
+from operations.models import (
+    ApiKey,
+    OwnerBudget,
+    PolicyChange,
+    SamplingPolicy,
+    StatsMinute,
+    Tier,
+    UsageMinute,
+)
 from operations.registry import AliasTarget, CatalogChange, ModelAlias, RegisteredModel
 
 # The admin's usage sums on a key's and a tier's page cover this many days.
@@ -98,6 +106,16 @@ class TierAdmin(admin.ModelAdmin[Tier]):
             return "-"
         rows = _recent(UsageMinute.objects.filter(tier=obj.name))
         return _usage_table(usage.totals(rows, "key"), f"?tier={obj.name}")
+
+
+@admin.register(OwnerBudget)
+class OwnerBudgetAdmin(admin.ModelAdmin[OwnerBudget]):
+    list_display = ("owner", "monthly_budget", "keys")
+    search_fields = ("owner",)
+
+    @admin.display(description="keys")
+    def keys(self, obj: OwnerBudget) -> int:
+        return ApiKey.objects.filter(owner=obj.owner).count()
 
 
 @admin.register(ApiKey)

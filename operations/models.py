@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping
 from decimal import Decimal
 from functools import partial
 from typing import Any
@@ -386,7 +387,10 @@ class ApiKey(PublishesAccess):
         self.digest, self.prefix = access.digest_of(raw), access.visible_prefix(raw)
         return raw
 
-    def as_record(self) -> access.KeyRecord:
+    def as_record(self, owner_budgets: Mapping[str, int] | None = None) -> access.KeyRecord:
+        """The key as published; `owner_budgets`: owner -> monthly budget in billionths (the
+        owner is published only when it has one: nothing else reads it)."""
+        owner_budget = (owner_budgets or {}).get(self.owner, 0) if self.owner else 0
         caller = access.Caller(
             self.pk,
             self.name,
@@ -395,6 +399,8 @@ class ApiKey(PublishesAccess):
             self.tier.rpm if self.rpm is None else self.rpm,
             self.tier.tpm if self.tpm is None else self.tpm,
             budget_nanos(self.monthly_budget),
+            self.owner if owner_budget else "",
+            owner_budget,
         )
         expires_at = self.expires.timestamp() if self.expires else None
         return access.KeyRecord(caller, expires_at, self.revoked)
@@ -402,8 +408,9 @@ class ApiKey(PublishesAccess):
 
 def access_records() -> dict[str, access.KeyRecord | access.Caller]:
     """What the database says every web process must know: each key's record, each tier."""
+    owner_budgets = {b.owner: budget_nanos(b.monthly_budget) for b in OwnerBudget.objects.all()}
     records: dict[str, access.KeyRecord | access.Caller] = {
-        key.digest: key.as_record() for key in ApiKey.objects.select_related("tier")
+        key.digest: key.as_record(owner_budgets) for key in ApiKey.objects.select_related("tier")
     }
     for tier in Tier.objects.all():
         records[access.tier_field(tier.name)] = tier.as_caller()
@@ -445,55 +452,11 @@ def publish_access() -> None:
         log.error("API keys saved but not yet published: %s", exc)
 
 
-class UsageMinute(models.Model):
-    """One minute of one API key's use of one model (queue): requests by outcome and tokens,
-    from the per-key fields of the statistics buckets (batching/stats.py), written with the
-    minute's StatsMinute row and pruned with it. The key's tier is kept as it was then."""
-
-    queue = models.CharField("model", max_length=64)
-    minute = models.DateTimeField()
-    key = models.ForeignKey(
-        ApiKey, on_delete=models.SET_NULL, null=True, related_name="usage", db_index=False
-    )
-    tier = models.CharField(max_length=32, help_text="The key's tier at the time.")
-    requests = models.JSONField(help_text="Requests by outcome.")
-    prompt_tokens = models.PositiveBigIntegerField(default=0)
-    completion_tokens = models.PositiveBigIntegerField(default=0)
-    cached_tokens = models.PositiveBigIntegerField(
-        default=0, help_text="Of the prompt tokens: those of prompts answered from the cache."
-    )
-    spend_nanos = models.PositiveBigIntegerField(
-        "spend (billionths)",
-        default=0,
-        help_text="What the answers cost at the model's price when each was answered, in "
-        "billionths of the price's unit.",
-    )
-
-    class Meta:
-        ordering = ["-minute"]
-        constraints = [
-            models.UniqueConstraint(
-                fields=["queue", "minute", "key"], name="one_usage_row_per_queue_minute_key"
-            )
-        ]
-        indexes = [
-            models.Index(fields=["key", "minute"]),
-            models.Index(fields=["tier", "minute"]),
-            models.Index(fields=["minute"], name="usage_minute_idx"),
-        ]
-        verbose_name = "usage minute"
-
-    def __str__(self) -> str:
-        return f"{self.key or 'deleted key'} on {self.queue} {self.minute:%Y-%m-%d %H:%M}"
-
-    @property
-    def total_requests(self) -> int:
-        return sum(self.requests.values())
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-# The model registry's tables live in their own module; imported here so Django finds them.
+# The model registry's and billing's tables live in their own modules; imported here so
+# Django finds them.
+from operations.billing import OwnerBudget as OwnerBudget  # noqa: E402
+from operations.billing import UsageMinute as UsageMinute  # noqa: E402
 from operations.registry import AliasTarget, CatalogChange, ModelAlias, RegisteredModel  # noqa: E402, F401
+
+post_save.connect(publish_after_commit, sender=OwnerBudget, dispatch_uid="publish-owner-budget")
+post_delete.connect(publish_after_commit, sender=OwnerBudget, dispatch_uid="withdraw-owner-budget")

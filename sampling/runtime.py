@@ -211,8 +211,11 @@ class WebProcess:
             self.limiter.refresh_tokens()
 
     def _refresh_budgets(self) -> None:
-        if self.access.budgeted or self.budgets.spent:
-            self.budgets.refresh(self.access.budgeted, self.catalog.current.models)
+        access = self.access
+        if access.budgeted or access.owners_keys or self.budgets.spent:
+            self.budgets.refresh(
+                access.budgeted, self.catalog.current.models, owners_keys=access.owners_keys
+            )
 
     def _flush(self) -> None:
         """Every model's statistics and the keys' last use (all kept for the next try on a

@@ -49,10 +49,6 @@ class Handled(NamedTuple):
 
 Handler = Callable[[HttpRequest, WebProcess, float, Caller], Handled]
 
-OVER_BUDGET = (
-    "this API key has spent its monthly budget: it is refused until the month ends (UTC) or "
-    "its budget is raised"
-)
 Words = Callable[[Failure], HttpResponse]  # how an endpoint says a Failure
 View = Callable[[HttpRequest], HttpResponse]
 
@@ -137,8 +133,9 @@ def _admitted(
     if isinstance(caller, Failure):
         return caller, Handled(caller.outcome, answer_failure(words, caller))
     limited = process.limiter.check(caller)
-    if process.budgets.over(caller):
-        refusal = Failure(Problem.OVER_BUDGET, OVER_BUDGET)
+    spent = process.budgets.refusal(caller)
+    if spent is not None:
+        refusal = Failure(Problem.OVER_BUDGET, spent)
         return caller, Handled(refusal.outcome, answer_failure(words, refusal))
     if limited is not None:
         refusal = Failure(Problem.RATE_LIMITED, limited.message, limited.retry_after_s)

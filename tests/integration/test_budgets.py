@@ -15,6 +15,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from batching.budgets import OWNER_SPENT
 from inference_site.lib.stack import Stack
 from tests.support import unique_queue
 from tests.support.http import request
@@ -76,27 +77,25 @@ def spend_of(stack: Stack, key: str) -> Decimal:
     return sum((Decimal(m["spend"]) for m in json.loads(reply.body)["data"]), Decimal(0))
 
 
-def test_a_budget_refuses_its_key_once_spent_and_serves_it_again_when_raised(
-    stack: Stack, priced: str
-) -> None:
-    budget = Decimal("0.05")  # about 6 answers of 8 tokens
-    name = unique_queue("budgeted")
-    key = create_key(stack, name, "--monthly-budget", str(budget))
-    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
-    wait_until(lambda: known(stack, key), what="the key in every web process")
-    wait_until(lambda: registered(client, priced), what="the prices in every web process")
+def spend_until_refused(
+    clients: list[OpenAI], model: str, budget: Decimal
+) -> tuple[list[tuple[float, Decimal]], openai.RateLimitError]:
+    """Completions from each client in turn until one is refused for its budget: every 200's
+    (when, what it cost), and the refusal, which came within the documented delay after the
+    answer that reached `budget`, with at most the documented overshoot."""
     answered: list[tuple[float, Decimal]] = []  # (when, what it cost) of every 200
     refusal: openai.RateLimitError | None = None
     for i in range(200):
         try:
-            completion = client.completions.create(model=priced, prompt=f"spend {i}")
+            completion = clients[i % len(clients)].completions.create(
+                model=model, prompt=f"spend {i}"
+            )
         except openai.RateLimitError as exc:
             refusal, refused_at = exc, time.monotonic()
             break
         answered.append((time.monotonic(), cost(completion.usage)))
     assert refusal is not None, "never refused"
     assert (refusal.code, refusal.type) == ("insufficient_quota", "insufficient_quota")
-    assert "budget" in refusal.message
     # When the budget was reached, and what came after it.
     total, reached_at, overshoot = Decimal(0), None, Decimal(0)
     for at, paid in answered:
@@ -109,21 +108,59 @@ def test_a_budget_refuses_its_key_once_spent_and_serves_it_again_when_raised(
     assert refused_at - reached_at <= REFUSAL_WITHIN_S
     # The overshoot: the answers in that delay, the last one of the budget's own excepted.
     assert total - budget <= overshoot + answered[-1][1]
+    return answered, refusal
+
+
+def served(client: OpenAI, model: str) -> bool:
+    try:
+        client.completions.create(model=model, prompt="again")
+    except openai.RateLimitError:
+        return False
+    return True
+
+
+def test_a_budget_refuses_its_key_once_spent_and_serves_it_again_when_raised(
+    stack: Stack, priced: str
+) -> None:
+    budget = Decimal("0.05")  # about 6 answers of 8 tokens
+    name = unique_queue("budgeted")
+    key = create_key(stack, name, "--monthly-budget", str(budget))
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
+    wait_until(lambda: known(stack, key), what="the key in every web process")
+    wait_until(lambda: registered(client, priced), what="the prices in every web process")
+    answered, refusal = spend_until_refused([client], priced, budget)
+    assert "budget" in refusal.message
+    total = sum((paid for _, paid in answered), Decimal(0))
     # The spend is exact: the answers' tokens at the registered prices.
     wait_until(lambda: spend_of(stack, key) == total, what=f"spend {total} in /v1/usage")
     # A raised budget serves the key again, within a poll.
     manage(stack, "shell", "-c",
            "from operations.models import ApiKey; k = ApiKey.objects.get(name=" + repr(name)
            + "); k.monthly_budget = k.monthly_budget * 10; k.save()")  # fmt: skip
+    wait_until(lambda: served(client, priced), what="served once the budget is raised")
 
-    def served() -> bool:
-        try:
-            client.completions.create(model=priced, prompt="again")
-        except openai.RateLimitError:
-            return False
-        return True
 
-    wait_until(served, what="served once the budget is raised")
+def test_an_owner_s_budget_refuses_all_its_keys_once_they_spent_it_together(
+    stack: Stack, priced: str
+) -> None:
+    owner, budget = unique_queue("owner"), Decimal("0.05")
+    # The budget first: each key's record carries it from the key's first publication.
+    manage(stack, "setownerbudget", owner, str(budget))
+    keys = [create_key(stack, unique_queue("owned"), "--owner", owner) for _ in range(2)]
+    other = create_key(stack, unique_queue("other owner"), "--owner", owner + "-not")
+    clients = [OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
+               for key in [*keys, other]]  # fmt: skip
+    wait_until(lambda: all(known(stack, key) for key in [*keys, other]), what="the keys known")
+    wait_until(lambda: registered(clients[0], priced), what="the prices in every web process")
+    _, refusal = spend_until_refused(clients[:2], priced, budget)
+    assert isinstance(refusal.body, dict)
+    assert refusal.body["message"] == OWNER_SPENT
+    # Neither key alone reached the budget: together they did, and both are refused now.
+    assert all(spend_of(stack, key) < budget for key in keys)
+    wait_until(lambda: not any(served(c, priced) for c in clients[:2]), what="both refused")
+    assert served(clients[2], priced)  # another owner's key is not
+    manage(stack, "setownerbudget", owner, str(budget * 10))
+    wait_until(lambda: served(clients[1], priced), what="served once the budget is raised")
 
 
 def test_spend_counts_per_model_and_keys_without_a_budget_are_never_refused(

@@ -4,16 +4,21 @@ housekeeping mends a set without its digest."""
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Iterator
 
 import pytest
 import redis
+from django.core.management import CommandError, call_command
 
 from batching import access
+from batching.budgets import budget_nanos
 from inference_site import redis_client as web_redis
 from operations import housekeeping
 from operations.models import (
     ApiKey,
+    OwnerBudget,
     Tier,
     access_records,
     publish_access,
@@ -84,3 +89,35 @@ def test_housekeeping_republishes_a_set_without_its_digest(live_redis: redis.Red
     housekeeping.reconcile_access(live_redis)
     assert access.intact(live_redis)
     assert access.published(live_redis) == wanted
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_owner_s_budget_is_published_with_each_of_its_keys(live_redis: redis.Redis) -> None:
+    tier = Tier.objects.create(name="owned", priority=1)
+    keys = _keys(tier, 3)
+    for key in keys[:2]:
+        key.owner = "acme"
+        key.save()
+    call_command("setownerbudget", "acme", "2.5", stdout=io.StringIO())
+
+    def published_callers() -> dict[int, access.Caller]:
+        found = access.published(live_redis)
+        return {k.pk: access.KeyRecord.from_json(found[k.digest]).caller for k in keys}
+
+    callers = published_callers()
+    assert [callers[k.pk].owner for k in keys] == ["acme", "acme", ""]
+    # A key without an owner's budget publishes no field an older web process cannot read.
+    owners_fields = {"owner", "owner_budget_nanos"}
+    assert not owners_fields & set(json.loads(access.published(live_redis)[keys[2].digest]))
+    budget = budget_nanos(OwnerBudget.objects.get(owner="acme").monthly_budget)
+    assert [callers[k.pk].owner_budget_nanos for k in keys] == [budget, budget, 0]
+    watcher = access.AccessWatcher(live_redis)
+    watcher.refresh()
+    assert watcher.owners_keys == {"acme": frozenset(k.pk for k in keys[:2])}
+    call_command("setownerbudget", "acme", "none", stdout=io.StringIO())
+    assert [c.owner_budget_nanos for c in published_callers().values()] == [0, 0, 0]
+    assert not any(
+        owners_fields & set(json.loads(raw)) for raw in access.published(live_redis).values()
+    )
+    with pytest.raises(CommandError):
+        call_command("setownerbudget", "acme", "-1", stdout=io.StringIO())

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -7,8 +8,8 @@ from decimal import Decimal
 import pytest
 import redis
 
-from batching.access import Caller
-from batching.budgets import Budgets, budget_nanos
+from batching.access import Caller, KeyRecord
+from batching.budgets import KEY_SPENT, OWNER_SPENT, Budgets, budget_nanos
 from batching.catalog import Price, nanos_as_decimal
 from batching.flush import month_of
 from batching.keys import QueueKeys
@@ -64,3 +65,50 @@ def test_budgets_refuse_from_the_month_s_spend_across_models(redis_client: redis
     finally:
         for model in models:
             redis_client.delete(QueueKeys(model).spend_of_month(month))
+
+
+def test_an_owner_s_budget_counts_all_its_keys_spend(redis_client: redis.Redis) -> None:
+    models = [f"test-owner-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    month = month_of(NOVEMBER)
+    spends = {"7": (300, 100), "8": (0, 150), "9": (1000, 0)}  # key -> spend on each model
+    for index, model in enumerate(models):
+        redis_client.hset(
+            QueueKeys(model).spend_of_month(month),
+            mapping={key: spent[index] for key, spent in spends.items()},
+        )
+    budgets = Budgets(redis_client)
+    # Keys 7 and 8 are acme's; key 9 is another owner's, whose spend counts for nobody else.
+    acme_total = sum(spends["7"]) + sum(spends["8"])
+
+    def key_of(key_id: int, owner_budget: int, own_budget: int = 0) -> Caller:
+        return Caller(key_id, "k", "free", 0, budget_nanos=own_budget, owner="acme",
+                      owner_budget_nanos=owner_budget)  # fmt: skip
+
+    try:
+        budgets.refresh({}, models, now_s=NOVEMBER, owners_keys={"acme": {7, 8}})
+        assert budgets.owners_spent == {"acme": acme_total}
+        # Key 8 spent 150 alone: its owner's total refuses it, with the owner's reason.
+        refusal = budgets.refusal(key_of(8, acme_total), now_s=NOVEMBER)
+        assert refusal == OWNER_SPENT
+        assert budgets.refusal(key_of(8, acme_total + 1), now_s=NOVEMBER) is None
+        assert budgets.refusal(key_of(7, acme_total), now_s=DECEMBER) is None  # a new month
+        # A key's own budget refuses it first, whatever its owner's says.
+        budgets.refresh({7: 400}, models, now_s=NOVEMBER, owners_keys={"acme": {7, 8}})
+        own = budgets.refusal(key_of(7, acme_total + 1, own_budget=400), now_s=NOVEMBER)
+        assert own == KEY_SPENT
+        # The same owner name without a budget published: nothing refused.
+        assert budgets.refusal(key_of(8, 0), now_s=NOVEMBER) is None
+    finally:
+        for model in models:
+            redis_client.delete(QueueKeys(model).spend_of_month(month))
+
+
+def test_a_caller_reads_records_of_older_and_newer_publishers() -> None:
+    caller = Caller(3, "k", "free", 1, 10, 20, 30, "acme", 40)
+    record = KeyRecord(caller, expires_at=None, revoked=False)
+    assert KeyRecord.from_json(record.to_json()) == record
+    older = json.loads(record.to_json())
+    del older["owner"], older["owner_budget_nanos"]  # a publisher before owners' budgets
+    assert KeyRecord.from_json(json.dumps(older)).caller == Caller(3, "k", "free", 1, 10, 20, 30)
+    newer = {**json.loads(record.to_json()), "some_later_field": 5}  # a rolling upgrade's
+    assert KeyRecord.from_json(json.dumps(newer)) == record

@@ -27,13 +27,16 @@ def _expiry(text: str) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
-def _budget(text: str) -> Decimal:
+def budget_amount(text: str, what: str = "--monthly-budget") -> Decimal:
+    """A budget as the registry keeps it: 0 or more, with at most 6 decimals."""
     try:
         budget = Decimal(text)
     except InvalidOperation:
-        raise CommandError(f"--monthly-budget: {text!r} is not a decimal number") from None
-    if budget < 0 or budget != budget.quantize(Decimal("0.000001")):
-        raise CommandError("--monthly-budget is 0 or more, with at most 6 decimals")
+        raise CommandError(f"{what}: {text!r} is not a decimal number") from None
+    if not budget.is_finite() or not 0 <= budget < 10**9:
+        raise CommandError(f"{what} is 0 or more and under 1000000000")
+    if budget != budget.quantize(Decimal("0.000001")):
+        raise CommandError(f"{what} has at most 6 decimals")
     return budget
 
 
@@ -48,7 +51,7 @@ class Command(BaseCommand):
         parser.add_argument("--tpm", type=int, help="completion tokens per minute (as --rpm)")
         parser.add_argument("--expires", help="YYYY-MM-DD or an ISO datetime (UTC if no zone)")
         parser.add_argument(
-            "--monthly-budget", type=_budget, help="spend per calendar month (default: none)"
+            "--monthly-budget", type=budget_amount, help="spend per calendar month (default: none)"
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
