@@ -19,7 +19,7 @@ from batching.budgets import OWNER_SPENT
 from inference_site.lib.stack import Stack
 from tests.support import unique_queue
 from tests.support.http import request
-from tests.support.keys import bearer, create_key
+from tests.support.keys import bearer, create_key, known_everywhere
 from tests.support.manage import manage
 from tests.support.waiting import wait_until
 
@@ -47,14 +47,6 @@ def stack(start_stack: Callable[..., Stack], priced: str) -> Iterator[Stack]:
            "--completion-price", str(COMPLETION_PRICE), "--description", PRICED)  # fmt: skip
     yield stack
     manage(stack, "registermodel", priced, "--delete")
-
-
-def known(stack: Stack, key: str) -> bool:
-    """Whether every web process has the key (keys are required: an unknown one gets 401)."""
-    return all(
-        request(stack.base_url, "/v1/usage", method="GET", headers=bearer(key)).status == 200
-        for _ in range(6)
-    )
 
 
 def registered(client: OpenAI, model: str) -> bool:
@@ -126,7 +118,7 @@ def test_a_budget_refuses_its_key_once_spent_and_serves_it_again_when_raised(
     name = unique_queue("budgeted")
     key = create_key(stack, name, "--monthly-budget", str(budget))
     client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
-    wait_until(lambda: known(stack, key), what="the key in every web process")
+    wait_until(lambda: known_everywhere(stack, key), what="the key in every web process")
     wait_until(lambda: registered(client, priced), what="the prices in every web process")
     answered, refusal = spend_until_refused([client], priced, budget)
     assert "budget" in refusal.message
@@ -150,13 +142,17 @@ def test_an_owner_s_budget_refuses_all_its_keys_once_they_spent_it_together(
     other = create_key(stack, unique_queue("other owner"), "--owner", owner + "-not")
     clients = [OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
                for key in [*keys, other]]  # fmt: skip
-    wait_until(lambda: all(known(stack, key) for key in [*keys, other]), what="the keys known")
+    wait_until(
+        lambda: all(known_everywhere(stack, key) for key in [*keys, other]), what="the keys known"
+    )
     wait_until(lambda: registered(clients[0], priced), what="the prices in every web process")
-    _, refusal = spend_until_refused(clients[:2], priced, budget)
+    answered, refusal = spend_until_refused(clients[:2], priced, budget)
     assert isinstance(refusal.body, dict)
     assert refusal.body["message"] == OWNER_SPENT
-    # Neither key alone reached the budget: together they did, and both are refused now.
-    assert all(spend_of(stack, key) < budget for key in keys)
+    # Both keys spent, and their spend together is exactly what their answers cost.
+    total = sum((paid for _, paid in answered), Decimal(0))
+    wait_until(lambda: sum(spend_of(stack, key) for key in keys) == total, what="owner's spend")
+    assert all(spend_of(stack, key) > 0 for key in keys)
     wait_until(lambda: not any(served(c, priced) for c in clients[:2]), what="both refused")
     assert served(clients[2], priced)  # another owner's key is not
     manage(stack, "setownerbudget", owner, str(budget * 10))
@@ -168,7 +164,7 @@ def test_spend_counts_per_model_and_keys_without_a_budget_are_never_refused(
 ) -> None:
     key = create_key(stack, unique_queue("unbudgeted"))
     client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
-    wait_until(lambda: known(stack, key), what="the key in every web process")
+    wait_until(lambda: known_everywhere(stack, key), what="the key in every web process")
     wait_until(lambda: registered(client, priced), what="the prices in every web process")
     total = sum(
         (cost(client.completions.create(model=priced, prompt=f"free {i}").usage)

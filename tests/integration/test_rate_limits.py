@@ -20,7 +20,7 @@ from batching import access, ratelimit
 from batching.keys import ShardKeys
 from inference_site.lib.stack import Stack
 from tests.support.http import Reply, request, sample
-from tests.support.keys import bearer, create_key
+from tests.support.keys import bearer, create_key, known_everywhere
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -34,14 +34,6 @@ def limited(start_stack: Callable[..., Stack]) -> Stack:
         "limited",
         env={"SAMPLER": "simulated", "SAMPLING_REQUIRE_API_KEY": "1"},
         web_processes=WEB_PROCESSES,
-    )
-
-
-def known_everywhere(stack: Stack, key: str) -> bool:
-    """Every web process knows the key: /v1/models checks a key without counting it."""
-    return all(
-        request(stack.base_url, "/v1/models", method="GET", headers=bearer(key)).status == 200
-        for _ in range(4 * WEB_PROCESSES)
     )
 
 

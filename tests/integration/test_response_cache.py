@@ -21,11 +21,10 @@ from batching.aggregator import BatchAggregator
 from batching.keys import QueueKeys
 from batching.registry import HEARTBEAT_TIMEOUT_MS, WorkerRegistry
 from inference_site.lib.stack import Stack
-from tests.integration.test_usage import PROBES
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample
-from tests.support.keys import bearer, create_key
+from tests.support.keys import PROBES, bearer, create_key
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ from sampling.schemas import UsageReport
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample
-from tests.support.keys import bearer, create_key
+from tests.support.keys import bearer, create_key, known_everywhere
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import SimulatedSampler, expected_completion
 
@@ -35,19 +35,6 @@ pytestmark = pytest.mark.integration
 def metered(start_stack: Callable[..., Stack]) -> Stack:
     return start_stack(
         "metered", env={"SAMPLER": "simulated", "SAMPLING_REQUIRE_API_KEY": "1"}, web_processes=2
-    )
-
-
-# Probes of a freshly published key: enough that each of 4 web processes answers some of
-# them (8 missed one process 1 time in 10 when one was slow to read the keys).
-PROBES = 32
-
-
-def known_everywhere(stack: Stack, key: str) -> bool:
-    """Every web process knows the key: /v1/models checks a key without counting it."""
-    return all(
-        request(stack.base_url, "/v1/models", method="GET", headers=bearer(key)).status == 200
-        for _ in range(PROBES)
     )
 
 

@@ -22,8 +22,8 @@ from openai import OpenAI
 from openai.types import CompletionUsage
 
 from inference_site.lib.stack import Stack
-from tests.integration.test_usage import in_the_database, known_everywhere, usage
-from tests.support.keys import create_key
+from tests.integration.test_usage import in_the_database, usage
+from tests.support.keys import create_key, known_everywhere
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
