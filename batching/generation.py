@@ -133,6 +133,7 @@ class Row:
     settings: RowSettings
     templated: bool = False  # a chat rendered by the sampler's template (its special tokens in)
     bare: bool = False  # a /sample prompt: the queue's settings, and only its text is answered
+    stream: bool = False  # its request streams: its new text is wanted step by step
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ def ensure_tokenizer() -> Path:
     if not (TOKENIZER_DIR / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
 
-        from workers.samplers.hf import packaged_model_path
+        from workers.samplers.hf_source import packaged_model_path
 
         gguf = packaged_model_path()
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

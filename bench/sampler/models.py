@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from workers.samplers.base import GenerationSettings
-from workers.samplers.hf import HFSampler, choose_device, choose_dtype, packaged_model_path
+from workers.samplers.hf import HFSampler
+from workers.samplers.hf_source import choose_device, choose_dtype, packaged_model_path
 
 SUBJECTS = ["the moon", "a river", "Paris", "the number seven", "an old clock", "winter"]
 PASSAGE = (

@@ -18,15 +18,15 @@ from batching.generation import Completion, FinishReason, Row, RowSettings, rend
 from inference_site.lib.stack import ROOT
 from tests.support.tiny_model import TINY_CONTEXT_TOKENS, build_tiny_model
 from workers.samplers.base import MAX_BATCH, GenerationSettings, PromptRejected
-from workers.samplers.hf import (
+from workers.samplers.hf import HFSampler
+from workers.samplers.hf_embedder import HFEmbedder
+from workers.samplers.hf_source import (
     PACKAGED_MODEL_FILE,
-    HFSampler,
     ModelNotFound,
     choose_device,
     packaged_model_path,
     resolve_model,
 )
-from workers.samplers.hf_embedder import HFEmbedder
 
 MIXED_PROMPTS = [
     "E equals ",

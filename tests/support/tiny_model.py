@@ -14,7 +14,7 @@ def build_tiny_model(directory: Path, seed: int = 1234) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from workers.samplers.hf import packaged_model_path
+    from workers.samplers.hf_source import packaged_model_path
 
     gguf = packaged_model_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

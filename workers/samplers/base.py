@@ -26,6 +26,7 @@ from batching.generation import (
     render_chat_plain,
 )
 from batching.policy import MAX_BATCH_SIZE, GenerationSettings
+from batching.streaming import StreamSink
 
 # The contract's bound, named for samplers (one home: batching.policy).
 MAX_BATCH = MAX_BATCH_SIZE
@@ -40,6 +41,7 @@ __all__ = [
     "RowFailed",
     "RowSettings",
     "Sampler",
+    "StreamSink",
 ]
 
 
@@ -71,9 +73,24 @@ class Sampler(abc.ABC):
         _check_batch(len(prompts))
         return self.sample(prompts)
 
-    def batched_complete(self, rows: list[Row]) -> list[Completion | PromptRejected]:
-        """One call for rows with settings of their own: what the worker calls."""
+    def batched_complete(
+        self, rows: list[Row], sink: StreamSink | None = None
+    ) -> list[Completion | PromptRejected]:
+        """One call for rows with settings of their own: what the worker calls. With a
+        `sink`, the streaming rows' new text goes to it as it is sampled."""
         _check_batch(len(rows))
+        if sink is not None and any(row.stream for row in rows):
+            return self.complete_streaming(rows, sink)
+        return self.complete(rows)
+
+    def complete_streaming(
+        self, rows: list[Row], sink: StreamSink
+    ) -> list[Completion | PromptRejected]:
+        """`complete`, calling `sink(row index, new text)` for each row with `stream` set as
+        its text grows (batching.streaming.StreamedText says what is safe to send: the deltas
+        of a row, joined, are a prefix of its final text, which the answer carries whole).
+        This default streams nothing: a sampler that cannot stream has each choice sent as
+        one chunk, once its call ends."""
         return self.complete(rows)
 
     def complete(self, rows: list[Row]) -> list[Completion | PromptRejected]:

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from workers.samplers.embedder import Embedder
-from workers.samplers.hf import (
-    FALLBACK_CONTEXT_TOKENS,
+from workers.samplers.hf import FALLBACK_CONTEXT_TOKENS
+from workers.samplers.hf_source import (
     ModelSource,
     choose_device,
     choose_dtype,

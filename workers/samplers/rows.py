@@ -11,7 +11,8 @@ runs greedy (argmax) and these two hooks make it row by row:
   else shares its batch. Temperature and top-p are applied per row before the draw.
 - `RowEnds` (a stopping criterion) ends each row at its own max tokens, at an end-of-sequence
   token, or once its text contains one of its stop strings, and remembers which and when:
-  the sampler keeps only the row's tokens up to its end.
+  the sampler keeps only the row's tokens up to its end. With `RowStreams` it also sends each
+  streaming row's new text as the call samples it.
 
 Imported by the Hugging Face sampler only (it needs torch). Both hooks serve `generate` and the
 static-cache decode loop (workers.samplers.static_decode) alike.
@@ -26,6 +27,7 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
 from batching.generation import FinishReason, RowSettings
+from batching.streaming import StreamedText, StreamSink
 
 # Tokens decoded beyond a stop string's length when looking for it: a token may decode to
 # part of a character, or to nothing (a special token).
@@ -92,6 +94,7 @@ class RowEnds(StoppingCriteria):
         self.ended: list[tuple[int, FinishReason] | None] = [None] * len(settings)
         longest_stop = max((len(stop) for row in settings for stop in row.stop), default=0)
         self.stop_window = longest_stop + STOP_WINDOW_SLACK if longest_stop else 0
+        self.streams: RowStreams | None = None  # the streaming rows' text, step by step
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> Any:
         self.observe(input_ids)
@@ -118,6 +121,8 @@ class RowEnds(StoppingCriteria):
                 self.ended[row] = (generated, FinishReason.STOP)
             elif generated >= settings.max_tokens:
                 self.ended[row] = (generated, FinishReason.LENGTH)
+        if self.streams is not None:
+            self.streams.step(last, self.ended, generated)
         return all(end is not None for end in self.ended)
 
     def _has_stop(self, recent: list[int], settings: RowSettings) -> bool:
@@ -132,3 +137,63 @@ class RowEnds(StoppingCriteria):
             limit = self.settings[row].max_tokens
             return new_tokens[:limit], FinishReason.LENGTH
         return new_tokens[: end[0]], end[1]
+
+
+class RowStreams:
+    """The streaming rows' text as the call samples it: each step, every such row's newest
+    token is decoded and its text sent as far as it is safe (batching.streaming.StreamedText).
+
+    Decoding is incremental, as vLLM's detokenizer does it: each step decodes the row's last
+    few tokens twice (with and without the newest), and the difference is the new text, so a
+    step costs the same however long the row is; a token that decodes to half a character
+    waits for the next."""
+
+    def __init__(
+        self,
+        positions: dict[int, int],
+        settings: list[RowSettings],
+        tokenizer: Any,
+        eos_ids: frozenset[int],
+        sink: StreamSink,
+    ) -> None:
+        self.positions = positions  # the call's row -> the index `sink` is told
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.sink = sink
+        self.tokens: dict[int, list[int]] = {row: [] for row in positions}
+        self.texts = {row: StreamedText(settings[row].stop) for row in positions}
+        self.decoded = dict.fromkeys(positions, "")
+        self.offsets = {row: (0, 0) for row in positions}  # (prefix, read) as vLLM's
+        self.done: set[int] = set()
+
+    def step(
+        self, last: list[int], ended: list[tuple[int, FinishReason] | None], generated: int
+    ) -> None:
+        """Take this step's token of every streaming row still going (`ended`: as RowEnds
+        noted it, this step included); `generated` tokens so far."""
+        for row in self.positions:
+            if row in self.done:
+                continue
+            end = ended[row]
+            if end is not None:
+                self.done.add(row)
+                if end[0] < generated:  # ended before this token (an end of sequence)
+                    continue
+            if last[row] in self.eos_ids:
+                continue
+            self.tokens[row].append(last[row])
+            delta = self.texts[row].update(self._decode(row))
+            if delta:
+                self.sink(self.positions[row], delta)
+
+    def _decode(self, row: int) -> str:
+        """The row's text so far, its newest token decoded in the context of the few before
+        it (vLLM's prefix and read offsets)."""
+        tokens = self.tokens[row]
+        prefix, read = self.offsets[row]
+        before = self.tokenizer.decode(tokens[prefix:read], skip_special_tokens=True)
+        now = self.tokenizer.decode(tokens[prefix:], skip_special_tokens=True)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.decoded[row] += now[len(before) :]
+            self.offsets[row] = (read, len(tokens))
+        return self.decoded[row]

@@ -10,16 +10,19 @@ that every setting is observable without a model: its tokens are whitespace-sepa
 a temperature above 0 draws the first three words from the row's own random stream (seeded by
 its `seed`, else fresh); max tokens keeps the first words (`length`); a stop string cuts the
 text before it (`stop`). A chat is rendered with batching.generation.render_chat_plain.
+
+It streams (`complete_streaming`): a streaming row's words arrive spread over the call.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import re
 import time
 
 from batching.generation import Completion, FinishReason, Row, RowSettings, cut_at_stop
-from workers.samplers.base import PromptRejected, Sampler
+from workers.samplers.base import PromptRejected, Sampler, StreamSink
 
 KNOWN_COMPLETIONS = {
     "E equals ": "MC squared",
@@ -99,6 +102,35 @@ class SimulatedSampler(Sampler):
 
     def complete(self, rows: list[Row]) -> list[Completion | PromptRejected]:
         texts = self.sample([row.prompt for row in rows])  # the call (and a probe's hooks)
+        return self._completions(rows, texts)
+
+    def complete_streaming(
+        self, rows: list[Row], sink: StreamSink
+    ) -> list[Completion | PromptRejected]:
+        """The call's completions, each streaming row's words spread evenly over the call, as
+        a model's tokens come: word k of n (with the space before it) sent k/n of the way
+        through, the last as the call ends."""
+        started = time.perf_counter()
+        answers = self._completions(rows, [expected_completion(row.prompt) for row in rows])
+        pieces: list[tuple[float, int, str]] = []  # (share of the call, row, text)
+        for index, (row, answer) in enumerate(zip(rows, answers, strict=True)):
+            if row.stream and isinstance(answer, Completion):
+                words = re.findall(r"\s*\S+", answer.text)
+                pieces += [((k + 1) / len(words), index, w) for k, w in enumerate(words)]
+        call_s = self.batch_ms / 1000
+        for share, index, text in sorted(pieces):
+            wait_s = started + share * call_s - time.perf_counter()
+            if wait_s > 0:
+                time.sleep(wait_s)
+            sink(index, text)
+        remaining = started + call_s - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return answers
+
+    def _completions(
+        self, rows: list[Row], texts: list[str | PromptRejected]
+    ) -> list[Completion | PromptRejected]:
         completions: list[Completion | PromptRejected] = []
         for row, text in zip(rows, texts, strict=True):
             if isinstance(text, PromptRejected):
