@@ -143,6 +143,25 @@ class Refusal(StrEnum):
     EXPIRED = "API key expired"
 
 
+def same_records(one: Mapping[str, str], other: Mapping[str, str]) -> bool:
+    """Whether two sets of published records (field -> JSON) say the same, whatever fields
+    at their default one of them writes out (a publisher of an older version writes them
+    all): what housekeeping compares, so that two versions side by side in a rolling upgrade
+    do not republish each other's records in turn."""
+    if one.keys() != other.keys():
+        return False
+    try:
+        return all(_parsed(name, one[name]) == _parsed(name, other[name]) for name in one)
+    except (ValueError, TypeError):
+        return False
+
+
+def _parsed(field: str, value: str) -> KeyRecord | Caller:
+    if field.startswith("tier:"):
+        return Caller.from_fields(json.loads(value))
+    return KeyRecord.from_json(value)
+
+
 def digest_of_records(fields: Mapping[str, str]) -> str:
     """The SHA-256 of a set of published records (field -> JSON), whatever their order."""
     return hashlib.sha256(json.dumps(sorted(fields.items())).encode()).hexdigest()

@@ -2,9 +2,10 @@
 
     .venv/bin/python -m bench routing --against REF [--rounds 15] [--rate 400] [--seconds 4]
 
-Four simulated stacks (3 CPU workers standing for 3 GPUs, 2 gevent web processes each) on one
-embedded Redis, all started first and kept up, so that every case meets the machine as it is
-at the same minutes:
+Four simulated stacks (3 CPU workers standing for 3 GPUs, 2 gevent web processes each), each
+on an embedded Redis of its own (the versions' published API keys differ in wording, and on
+one Redis their housekeeping would republish each other's), all started first and kept up, so
+that every case meets the machine as it is at the same minutes:
 
 - `REF` and `REF (A/A)`: two stacks of the older tree, to show how far two stacks of the same
   code read apart on this machine;
@@ -132,8 +133,6 @@ def main(args: argparse.Namespace) -> None:
     figures: dict[str, dict[str, list[float]]] = {}
     with contextlib.ExitStack() as resources:
         before = Tree(args.against[:8], resources.enter_context(worktree(args.against)))
-        server = EmbeddedRedis().start()
-        resources.callback(server.stop)
         cases = {}
         for name, tree, models in (
             (before.name, before, 1),
@@ -141,6 +140,8 @@ def main(args: argparse.Namespace) -> None:
             ("this, 1 model", THIS, 1),
             (f"this, {MODELS} models", THIS, MODELS),
         ):
+            server = EmbeddedRedis().start()
+            resources.callback(server.stop)
             stack, names = _case(tree, server.url, models)
             resources.callback(stack.stop)
             stack.start(timeout_s=120)

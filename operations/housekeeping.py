@@ -80,14 +80,16 @@ def reconcile_policy(client: redis.Redis, queue: str, current: live_policy.Polic
 
 
 def reconcile_access(client: redis.Redis) -> None:
-    """Republish when Redis differs from the database, or its set has no right digest (read
+    """Republish when Redis says other than the database (as parsed records: another
+    version's wording of the same records stands), or its set has no right digest (read
     after Redis: a save between the two reads is in the database's snapshot, and replace_all
     rereads it if one publishes). A web process's key watcher republishes a lost set the
     moment it notices; this catches a save that could not publish (Redis was down)."""
     digest = client.get(access.KEYS.digest)
     published = access.published(client)
     wanted = {name: record.to_json() for name, record in access_records().items()}
-    if published != wanted or digest != access.digest_of_records(wanted).encode():
+    intact = digest == access.digest_of_records(published).encode()
+    if not intact or not access.same_records(published, wanted):
         log.warning("republishing %d API key and tier records", len(wanted))
         access.replace_all(client, access_records)
 

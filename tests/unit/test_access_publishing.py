@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Iterator
+from dataclasses import asdict
 
 import pytest
 import redis
@@ -121,3 +122,34 @@ def test_an_owner_s_budget_is_published_with_each_of_its_keys(live_redis: redis.
     )
     with pytest.raises(CommandError):
         call_command("setownerbudget", "acme", "-1", stdout=io.StringIO())
+
+
+def test_housekeeping_leaves_another_version_s_wording_of_the_same_records(
+    live_redis: redis.Redis,
+) -> None:
+    """An older version writes every field, defaults included: in a rolling upgrade both
+    versions' housekeeping must not republish each other's records in turn."""
+    tier = Tier.objects.create(name="worded", priority=1)
+    _keys(tier, 2)
+
+    def older_wording(record: access.KeyRecord | access.Caller) -> str:
+        caller = record.caller if isinstance(record, access.KeyRecord) else record
+        fields = {k: v for k, v in asdict(caller).items() if not k.startswith("owner")}
+        if isinstance(record, access.KeyRecord):
+            fields |= {"expires_at": record.expires_at, "revoked": record.revoked}
+        return json.dumps(fields)
+
+    older = {name: older_wording(record) for name, record in access_records().items()}
+    assert older != {name: record.to_json() for name, record in access_records().items()}
+    live_redis.delete(access.KEYS.records)
+    live_redis.hset(access.KEYS.records, mapping=older)
+    live_redis.set(access.KEYS.digest, access.digest_of_records(older))
+    before = _version(live_redis)
+    housekeeping.reconcile_access(live_redis)
+    assert (_version(live_redis), access.published(live_redis)) == (before, older)
+    # A change the database has and Redis lacks (an update() sends no signal) is published.
+    Tier.objects.filter(pk=tier.pk).update(priority=5)
+    housekeeping.reconcile_access(live_redis)
+    assert _version(live_redis) > before
+    wanted = {name: record.to_json() for name, record in access_records().items()}
+    assert access.published(live_redis) == wanted

@@ -108,3 +108,21 @@ def test_a_sampler_that_cannot_stream_answers_as_before_and_streams_nothing() ->
         sampler.batched_complete(rows)
     )
     assert seen == []
+
+
+class RejectingBad(SimulatedSampler):
+    """A hook on `sample`, as the test probes have: it rejects the prompt "bad"."""
+
+    def sample(self, prompts: list[str]) -> list[str | PromptRejected]:
+        texts = super().sample(prompts)
+        pairs = zip(prompts, texts, strict=True)
+        return [PromptRejected("bad") if prompt == "bad" else text for prompt, text in pairs]
+
+
+def test_a_streaming_call_of_the_simulated_sampler_goes_through_its_sample_hooks() -> None:
+    sampler = RejectingBad(batch_ms=20)
+    settings = sampler.row_settings()
+    rows = [Row("good", settings, stream=True), Row("bad", settings, stream=True)]
+    answers = sampler.batched_complete(rows, lambda row, text: None)
+    assert isinstance(answers[0], Completion)
+    assert isinstance(answers[1], PromptRejected)

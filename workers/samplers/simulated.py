@@ -91,13 +91,13 @@ class SimulatedSampler(Sampler):
 
     def __init__(self, batch_ms: float = 100.0) -> None:
         self.batch_ms = batch_ms
+        # While a streaming call runs: its pieces (share of the call, row, text) and its sink.
+        self._streaming: tuple[list[tuple[float, int, str]], StreamSink] | None = None
 
     def sample(self, prompts: list[str]) -> list[str | PromptRejected]:
         started = time.perf_counter()
         completions: list[str | PromptRejected] = [expected_completion(p) for p in prompts]
-        remaining = self.batch_ms / 1000 - (time.perf_counter() - started)
-        if remaining > 0:
-            time.sleep(remaining)
+        self._wait_out_call(started)
         return completions
 
     def complete(self, rows: list[Row]) -> list[Completion | PromptRejected]:
@@ -109,24 +109,38 @@ class SimulatedSampler(Sampler):
     ) -> list[Completion | PromptRejected]:
         """The call's completions, each streaming row's words spread evenly over the call, as
         a model's tokens come: word k of n (with the space before it) sent k/n of the way
-        through, the last as the call ends."""
-        started = time.perf_counter()
+        through, the last as the call ends. The call is still `sample` (and a probe's hooks
+        on it), which sends them while it waits."""
         answers = self._completions(rows, [expected_completion(row.prompt) for row in rows])
         pieces: list[tuple[float, int, str]] = []  # (share of the call, row, text)
         for index, (row, answer) in enumerate(zip(rows, answers, strict=True)):
             if row.stream and isinstance(answer, Completion):
                 words = re.findall(r"\s*\S+", answer.text)
                 pieces += [((k + 1) / len(words), index, w) for k, w in enumerate(words)]
+        self._streaming = (sorted(pieces), sink)
+        try:
+            texts = self.sample([row.prompt for row in rows])
+        finally:
+            self._streaming = None
+        if len(texts) != len(rows):  # the worker's runner reports the mismatch
+            return list(texts)  # type: ignore[arg-type]
+        return [text if isinstance(text, PromptRejected) else answer
+                for text, answer in zip(texts, answers, strict=True)]  # fmt: skip
+
+    def _wait_out_call(self, started: float) -> None:
+        """Sleep until the call has lasted `batch_ms`, sending the streaming rows' pieces as
+        they come due (complete_streaming)."""
         call_s = self.batch_ms / 1000
-        for share, index, text in sorted(pieces):
-            wait_s = started + share * call_s - time.perf_counter()
-            if wait_s > 0:
-                time.sleep(wait_s)
-            sink(index, text)
+        if self._streaming is not None:
+            pieces, sink = self._streaming
+            for share, index, text in pieces:
+                wait_s = started + share * call_s - time.perf_counter()
+                if wait_s > 0:
+                    time.sleep(wait_s)
+                sink(index, text)
         remaining = started + call_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
-        return answers
 
     def _completions(
         self, rows: list[Row], texts: list[str | PromptRejected]
