@@ -2,10 +2,10 @@
 
     .venv/bin/python -m bench routing --against REF [--rounds 15] [--rate 400] [--seconds 4]
 
-Four simulated stacks (3 CPU workers standing for 3 GPUs, 2 gevent web processes each), each
-on an embedded Redis of its own (the versions' published API keys differ in wording, and on
-one Redis their housekeeping would republish each other's), all started first and kept up, so
-that every case meets the machine as it is at the same minutes:
+Four simulated stacks (3 CPU workers standing for 3 GPUs, 2 gevent web processes each) on one
+embedded Redis, each in a database of its own (the versions' published API keys differ in
+wording, and in one database their housekeeping would republish each other's), all started
+first and kept up, so that every case meets the machine as it is at the same minutes:
 
 - `REF` and `REF (A/A)`: two stacks of the older tree, to show how far two stacks of the same
   code read apart on this machine;
@@ -139,16 +139,17 @@ def main(args: argparse.Namespace) -> None:
     figures: dict[str, dict[str, list[float]]] = {}
     with contextlib.ExitStack() as resources:
         before = Tree(args.against[:8], resources.enter_context(worktree(args.against)))
-        cases = {}
+        server = EmbeddedRedis().start()
+        resources.callback(server.stop)
+        cases: dict[str, tuple[Stack, list[str]]] = {}
         for name, tree, models in (
             (before.name, before, 1),
             (f"{before.name} (A/A)", before, 1),
             ("this, 1 model", THIS, 1),
             (f"this, {MODELS} models", THIS, MODELS),
         ):
-            server = EmbeddedRedis().start()
-            resources.callback(server.stop)
-            stack, names = _case(tree, server.url, models)
+            database = f"{server.url.rsplit('/', 1)[0]}/{len(cases)}"
+            stack, names = _case(tree, database, models)
             resources.callback(stack.stop)
             stack.start(timeout_s=120)
             cases[name] = (stack, names)
