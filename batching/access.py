@@ -312,22 +312,23 @@ class AccessWatcher:
         anonymous = anonymous_caller()
         for field, value in fields.items():
             try:
-                if field.startswith("tier:"):
-                    if field == tier_field(ANONYMOUS_TIER):
-                        anonymous = Caller.from_fields(json.loads(value))
-                else:
-                    keys[field] = KeyRecord.from_json(value)
+                record = _parsed(field, value)
             except (ValueError, TypeError) as exc:  # one bad record must not drop the others
                 log.error("ignoring an invalid published key record: %s", exc)
+                continue
+            if isinstance(record, KeyRecord):
+                keys[field] = record
+            elif field == tier_field(ANONYMOUS_TIER):
+                anonymous = record
         self._keys, self._anonymous = keys, anonymous
         self.limits_tokens = bool(anonymous.tpm) or any(r.caller.tpm for r in keys.values())
         self.budgeted = {
             r.caller.key_id: r.caller.budget_nanos for r in keys.values() if r.caller.budget_nanos
         }
         owners: dict[str, set[int]] = {}
-        for record in keys.values():
-            if record.caller.owner_budget_nanos:
-                owners.setdefault(record.caller.owner, set()).add(record.caller.key_id)
+        for key in keys.values():
+            if key.caller.owner_budget_nanos:
+                owners.setdefault(key.caller.owner, set()).add(key.caller.key_id)
         self.owners_keys = {owner: frozenset(ids) for owner, ids in owners.items()}
 
     def after_poll(self, job: Callable[[], None]) -> None:

@@ -105,7 +105,3 @@ class Budgets:
         if owner_budget and self.owners_spent.get(caller.owner, 0) >= owner_budget:
             return OWNER_SPENT
         return None
-
-    def over(self, caller: Caller, now_s: float | None = None) -> bool:
-        """Whether the caller's key (or its owner) spent its budget this month."""
-        return self.refusal(caller, now_s) is not None

@@ -61,7 +61,3 @@ class StreamedText:
             return ""
         delta, self.sent = safe[len(self.sent) :], safe
         return delta
-
-    def rest(self, final: str) -> str:
-        """What the final text adds to what was sent ("" if it does not extend it)."""
-        return final[len(self.sent) :] if final.startswith(self.sent) else ""

@@ -58,10 +58,11 @@ def test_budgets_refuse_from_the_month_s_spend_across_models(redis_client: redis
     try:
         budgets.refresh({7: 1100}, models, now_s=NOVEMBER)
         assert budgets.spent == {7: 1100}
-        assert budgets.over(capped, now_s=NOVEMBER)
-        assert not budgets.over(Caller(7, "k", "free", 0, budget_nanos=1101), now_s=NOVEMBER)
-        assert not budgets.over(Caller(7, "k", "free", 0), now_s=NOVEMBER)  # no budget
-        assert not budgets.over(capped, now_s=DECEMBER)  # a new month: nothing spent yet
+        assert budgets.refusal(capped, now_s=NOVEMBER) == KEY_SPENT
+        raised = Caller(7, "k", "free", 0, budget_nanos=1101)
+        assert budgets.refusal(raised, now_s=NOVEMBER) is None
+        assert budgets.refusal(Caller(7, "k", "free", 0), now_s=NOVEMBER) is None  # no budget
+        assert budgets.refusal(capped, now_s=DECEMBER) is None  # a new month: nothing spent
     finally:
         for model in models:
             redis_client.delete(QueueKeys(model).spend_of_month(month))

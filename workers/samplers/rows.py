@@ -21,13 +21,14 @@ static-cache decode loop (workers.samplers.static_decode) alike.
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
 from batching.generation import FinishReason, RowSettings
-from batching.streaming import StreamedText, StreamSink
+from batching.streaming import INCOMPLETE_CHARACTER, StreamedText, StreamSink
 
 # Tokens decoded beyond a stop string's length when looking for it: a token may decode to
 # part of a character, or to nothing (a special token).
@@ -139,6 +140,20 @@ class RowEnds(StoppingCriteria):
         return new_tokens[: end[0]], end[1]
 
 
+@dataclass
+class _RowStream:
+    """One streaming row: its tokens so far, their text decoded incrementally, and what of it
+    was sent."""
+
+    index: int  # the row's index in the call, as `sink` is told it
+    sent: StreamedText
+    tokens: list[int] = field(default_factory=list)
+    decoded: str = ""
+    prefix: int = 0  # vLLM's prefix and read offsets into `tokens`
+    read: int = 0
+    done: bool = False
+
+
 class RowStreams:
     """The streaming rows' text as the call samples it: each step, every such row's newest
     token is decoded and its text sent as far as it is safe (batching.streaming.StreamedText).
@@ -156,44 +171,44 @@ class RowStreams:
         eos_ids: frozenset[int],
         sink: StreamSink,
     ) -> None:
-        self.positions = positions  # the call's row -> the index `sink` is told
+        """`positions`: the call's row (in `settings`) -> the index `sink` is told."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.sink = sink
-        self.tokens: dict[int, list[int]] = {row: [] for row in positions}
-        self.texts = {row: StreamedText(settings[row].stop) for row in positions}
-        self.decoded = dict.fromkeys(positions, "")
-        self.offsets = {row: (0, 0) for row in positions}  # (prefix, read) as vLLM's
-        self.done: set[int] = set()
+        self.rows = {
+            row: _RowStream(index, StreamedText(settings[row].stop))
+            for row, index in positions.items()
+        }
 
     def step(
         self, last: list[int], ended: list[tuple[int, FinishReason] | None], generated: int
     ) -> None:
         """Take this step's token of every streaming row still going (`ended`: as RowEnds
         noted it, this step included); `generated` tokens so far."""
-        for row in self.positions:
-            if row in self.done:
+        for row, stream in self.rows.items():
+            if stream.done:
                 continue
             end = ended[row]
             if end is not None:
-                self.done.add(row)
+                stream.done = True
                 if end[0] < generated:  # ended before this token (an end of sequence)
                     continue
             if last[row] in self.eos_ids:
                 continue
-            self.tokens[row].append(last[row])
-            delta = self.texts[row].update(self._decode(row))
+            stream.tokens.append(last[row])
+            delta = stream.sent.update(self._decode(stream))
             if delta:
-                self.sink(self.positions[row], delta)
+                self.sink(stream.index, delta)
 
-    def _decode(self, row: int) -> str:
+    def _decode(self, stream: _RowStream) -> str:
         """The row's text so far, its newest token decoded in the context of the few before
         it (vLLM's prefix and read offsets)."""
-        tokens = self.tokens[row]
-        prefix, read = self.offsets[row]
-        before = self.tokenizer.decode(tokens[prefix:read], skip_special_tokens=True)
-        now = self.tokenizer.decode(tokens[prefix:], skip_special_tokens=True)
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            self.decoded[row] += now[len(before) :]
-            self.offsets[row] = (read, len(tokens))
-        return self.decoded[row]
+        tokens = stream.tokens
+        before = self.tokenizer.decode(
+            tokens[stream.prefix : stream.read], skip_special_tokens=True
+        )
+        now = self.tokenizer.decode(tokens[stream.prefix :], skip_special_tokens=True)
+        if len(now) > len(before) and not now.endswith(INCOMPLETE_CHARACTER):
+            stream.decoded += now[len(before) :]
+            stream.prefix, stream.read = stream.read, len(tokens)
+        return stream.decoded
