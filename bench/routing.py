@@ -1,14 +1,15 @@
 """Front-end CPU per request with routing by model: one model, and a request spread over 3.
 
-    .venv/bin/python -m bench routing --against REF [--rounds 15] [--rate 400] [--seconds 4]
+    .venv/bin/python -m bench routing --against REF [--rounds 10] [--stacks 2] [--rate 400]
 
-Four simulated stacks (3 CPU workers standing for 3 GPUs, 2 gevent web processes each) on one
-embedded Redis, each in a database of its own (the versions' published API keys differ in
-wording, and in one database their housekeeping would republish each other's), all started
-first and kept up, so that every case meets the machine as it is at the same minutes:
+Four cases of simulated stacks (3 CPU workers standing for 3 GPUs, 2 gevent web processes
+each), `--stacks` stacks per case, all on one embedded Redis, each stack in a database of its
+own (the versions' published API keys differ in wording, and in one database their
+housekeeping would republish each other's), all started first and kept up, so that every case
+meets the machine as it is at the same minutes:
 
-- `REF` and `REF (A/A)`: two stacks of the older tree, to show how far two stacks of the same
-  code read apart on this machine;
+- `REF` and `REF (A/A)`: stacks of the older tree, to show how far two cases of the same code
+  read apart on this machine;
 - `this, 1 model`: this tree serving one model (SAMPLING_QUEUE);
 - `this, 3 models`: this tree serving three (SAMPLING_MODELS, a worker each), each request
   naming one of them in turn.
@@ -20,12 +21,15 @@ how full the batches are.
 A round gives each stack in turn (the order reversed every other round) `--seconds` of
 `--rate` /v1/completions requests per second (one prompt, the openai client's body; every
 answer checked), then as many /sample requests, open loop, constant arrivals, by the
-harness's generator, each after half a second of warm-up; the figure is the stack's web
-processes' CPU (from /proc) over its requests. Short turns in many rounds, not one long run
-per stack, so that the machine's slow drifts (a noisy neighbour, the clock) fall on every case
-alike: the change against REF is the median over the rounds of each round's ratio, and the
-A/A row shows the spread of that statistic. It also prints, with one model's worker stopped
-in the 3-model stack, how fast a request for that model gets its 503.
+harness's generator, each after half a second of warm-up; a stack's figure is its web
+processes' CPU (from /proc) over its requests, a case's the mean of its stacks'. Short turns
+in many rounds, not one long run per stack, so that the machine's slow drifts (a noisy
+neighbour, the clock) fall on every case alike: the change against REF is the median over
+the rounds of each round's ratio, and the A/A row shows the spread of that statistic. Several
+stacks per case, because one stack reads a few percent above or below another of the same
+code for the whole run (measured: two stacks of one tree 5% apart over 10 rounds), and a case
+of one stack would carry that as its own. It also prints, with one model's worker stopped in
+a 3-model stack, how fast a request for that model gets its 503.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ MAX_BAD_SHARE = 0.01
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--against", required=True, help="the git ref before routing")
-    parser.add_argument("--rounds", type=int, default=15, help="default 15")
+    parser.add_argument("--rounds", type=int, default=10, help="default 10")
+    parser.add_argument("--stacks", type=int, default=2, help="stacks per case, default 2")
     parser.add_argument("--rate", type=float, default=400.0, help="req/s per path, default 400")
     parser.add_argument("--seconds", type=float, default=4.0, help="per path and turn, default 4")
 
@@ -141,28 +146,33 @@ def main(args: argparse.Namespace) -> None:
         before = Tree(args.against[:8], resources.enter_context(worktree(args.against)))
         server = EmbeddedRedis().start()
         resources.callback(server.stop)
-        cases: dict[str, tuple[Stack, list[str]]] = {}
-        for name, tree, models in (
+        plan = (
             (before.name, before, 1),
             (f"{before.name} (A/A)", before, 1),
             ("this, 1 model", THIS, 1),
             (f"this, {MODELS} models", THIS, MODELS),
-        ):
-            database = f"{server.url.rsplit('/', 1)[0]}/{len(cases)}"
-            stack, names = _case(tree, database, models)
-            resources.callback(stack.stop)
-            stack.start(timeout_s=120)
-            cases[name] = (stack, names)
+        )
+        # The cases' stacks interleaved (case by case, then again): (case, stack, models)
+        stacks: list[tuple[str, Stack, list[str]]] = []
+        for _ in range(args.stacks):
+            for name, tree, models in plan:
+                database = f"{server.url.rsplit('/', 1)[0]}/{len(stacks)}"
+                stack, names = _case(tree, database, models)
+                resources.callback(stack.stop)
+                stack.start(timeout_s=120)
+                stacks.append((name, stack, names))
         for round_number in range(args.rounds):
-            for name in in_turn(list(cases), round_number):
-                stack, names = cases[name]
-                measured = _measure(stack, names, args.rate, args.seconds)
-                row = figures.setdefault(name, {path: [] for path in PATHS})
-                for path, value in measured.items():
-                    row[path].append(value)
-                shown = ", ".join(f"{path} {value:.3f}" for path, value in measured.items())
+            measured: dict[str, list[dict[str, float]]] = {}
+            for name, stack, names in in_turn(stacks, round_number):
+                found = _measure(stack, names, args.rate, args.seconds)
+                measured.setdefault(name, []).append(found)
+                shown = ", ".join(f"{path} {value:.3f}" for path, value in found.items())
                 print(f"  round {round_number + 1} {name}: {shown} ms", flush=True)
-        stack, names = cases[f"this, {MODELS} models"]
+            for name, per_stack in measured.items():
+                row = figures.setdefault(name, {path: [] for path in PATHS})
+                for path in PATHS:
+                    row[path].append(statistics.mean(found[path] for found in per_stack))
+        _, stack, names = next(s for s in stacks if s[0] == plan[-1][0])
         refusals = sorted(_refusals_ms(stack, names[-1]))
     report(figures, before.name, args)
     print(
@@ -177,7 +187,8 @@ def report(figures: dict[str, dict[str, list[float]]], base: str, args: argparse
     rounds' ratios (each round's figure against `base`'s in the same round)."""
     print(
         f"\nFront-end CPU per request (ms, medians of {args.rounds} alternating rounds, "
-        f"{args.rate:g} req/s per path for {args.seconds:g} s a turn)\n"
+        f"{args.stacks} stacks per case, {args.rate:g} req/s per path for {args.seconds:g} s a "
+        "turn)\n"
     )
     cells = []
     for name, row in figures.items():
