@@ -183,6 +183,7 @@ class BatchAggregator:
         counter: RateCounter | None = None,
         lane: int = 0,
         now_ms: int | None = None,
+        stream: bool = False,
     ) -> Ticket:
         """Join the open batch of `lane` (the caller's tier priority) on `shard` (by default
         the next shard in this process's turn) with a bare prompt (the queue's settings) or a
@@ -195,7 +196,8 @@ class BatchAggregator:
 
         A keyed request names its key (`key_id`, for the workers' token charges) and, when
         the key has a request rate limit, the counter its MULTI raises (`counter`, on the
-        shard's slot: see `shard_of_key`); the ticket carries the count after it."""
+        shard's slot: see `shard_of_key`); the ticket carries the count after it. A
+        `stream`ing request's item is marked so: its worker publishes its text as it comes."""
         index = (next(self._turn) if shard is None else shard) % len(self.shards)
         keys = self.shards[index]
         lane_keys = LaneKeys.of(keys, lane)
@@ -208,7 +210,7 @@ class BatchAggregator:
             candidate = keys.batch_id(self._ids.next())
             read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
             pointer = f"{candidate} {redis_ms} {self.max_batch_size}"
-            item = item_of(redis_ms + int(budget_ms), prompt, key_id)
+            item = item_of(redis_ms + int(budget_ms), prompt, key_id, stream=stream)
             joined, length, *more = join(
                 self.client, self._cluster, lane_keys, pointer, item, self.ttl_ms,
                 read_admission, counter,
@@ -249,10 +251,12 @@ class BatchAggregator:
         version: int = 0,
         lane: int = 0,
         now_ms: int | None = None,
+        stream: bool = False,
     ) -> Joined:
         """A request's items (with their response cache digests, "" for none) appended in one
         round trip by batching/lua/append_items.lua (its cache answers of policy `version`);
-        with `limit`, refused, nothing appended, if raising the counter by `cost` passes it."""
+        with `limit`, refused, nothing appended, if raising the counter by `cost` passes it;
+        `stream`: the items are marked streaming (see `append`)."""
         index = (next(self._turn) if shard is None else shard) % len(self.shards)
         keys = self.shards[index]
         lane_keys = LaneKeys.of(keys, lane)
@@ -268,7 +272,9 @@ class BatchAggregator:
             keys.batch_id(self._ids.next()), redis_ms, self.max_batch_size, self.ttl_ms,
             read_admission, counter, cost, limit, version, "" if now_ms is None else str(now_ms),
         )  # fmt: skip
-        listed = [(digest, item_of(deadline_ms, item, key_id, digest)) for digest, item in items]
+        listed = [
+            (digest, item_of(deadline_ms, item, key_id, digest, stream)) for digest, item in items
+        ]
         reply = join_items(self._scripts["append_items"], keys, lane_keys, call, listed,
                            DISPATCH_GRACE_MS)  # fmt: skip
         if reply[0] == -1:

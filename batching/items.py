@@ -12,6 +12,10 @@ from typing import Any
 
 from batching.generation import SampleRequest
 
+# The mark at the end of a streaming item's head.
+STREAMING = "!"
+STREAMING_BYTES = STREAMING.encode()
+
 
 @dataclass(frozen=True)
 class Ticket:
@@ -56,6 +60,7 @@ class Item:
     request: SampleRequest | None = None  # the prompt and settings of an API request
     key_id: int = 0  # the API key it was sent with (0: anonymous), charged its tokens
     cache: str = ""  # the digest its answer is cached under (batching.cache), "" for none
+    stream: bool = False  # its request streams: its new text is published as it is sampled
 
 
 @dataclass(frozen=True)
@@ -78,14 +83,23 @@ class SealedBatch:
         return not self.batch_id and not self.items
 
 
-def item_of(deadline_ms: int, prompt: str | SampleRequest, key_id: int = 0, cache: str = "") -> str:
+def item_of(
+    deadline_ms: int,
+    prompt: str | SampleRequest,
+    key_id: int = 0,
+    cache: str = "",
+    stream: bool = False,
+) -> str:
     """An item as a pending list holds it: its deadline (Redis ms) and, for a keyed request,
-    "/<key id>", and for a request whose answer is to be cached "/<key id>/<digest>"; then a
-    space and the bare prompt of a /sample request (the queue's settings), or a colon and a
-    request's JSON."""
+    "/<key id>", and for a request whose answer is to be cached "/<key id>/<digest>", and for
+    a streaming request STREAMING; then a space and the bare prompt of a /sample request (the
+    queue's settings), or a colon and a request's JSON. (The head starts with the deadline's
+    digits: batching/lua/seal.lua reads them.)"""
     head = f"{deadline_ms}/{key_id}" if key_id or cache else str(deadline_ms)
     if cache:
         head += f"/{cache}"
+    if stream:
+        head += STREAMING
     if isinstance(prompt, str):
         return f"{head} {prompt}"
     return f"{head}:{prompt.to_json()}"
@@ -96,12 +110,16 @@ def parse_item(raw: bytes) -> Item:
     space, colon = raw.find(b" "), raw.find(b":")
     sample = colon < 0 or 0 <= space < colon  # the head is followed by one of the two
     end = space if sample else colon
-    deadline, _, rest = raw[:end].partition(b"/")
+    head = raw[:end]
+    stream = head.endswith(STREAMING_BYTES)
+    deadline, _, rest = (head[:-1] if stream else head).partition(b"/")
     key, _, digest = rest.partition(b"/")
     key_id, cache = int(key) if key else 0, digest.decode()
     if sample:
-        return Item(int(deadline), raw[space + 1 :].decode("utf-8"), key_id=key_id, cache=cache)
-    return Item(int(deadline), "", SampleRequest.from_json(raw[colon + 1 :]), key_id, cache)
+        prompt = raw[space + 1 :].decode("utf-8")
+        return Item(int(deadline), prompt, key_id=key_id, cache=cache, stream=stream)
+    request = SampleRequest.from_json(raw[colon + 1 :])
+    return Item(int(deadline), "", request, key_id, cache, stream)
 
 
 class BatchIds:

@@ -253,8 +253,14 @@ class ShardKeys:
     @cached_property
     def results(self) -> str:
         """The channel on which the shard's batches' answers are published, each message
-        "<batch id> <Celery meta>": every web process listens to it for good."""
+        "<batch id> <Celery meta>", and their deltas while they stream (batching.deltas):
+        every web process listens to it for good."""
         return f"{self.prefix}:results"
+
+    def cancelled(self, batch_id: str) -> str:
+        """A set of the indexes of a batch's items whose streaming client left: its worker
+        drops them before its call, or stops their deltas during it."""
+        return f"{self.prefix}:cancelled:{batch_id}"
 
     def batch_id(self, unique: str) -> str:
         return f"{{{self.tag}}}{unique}"
@@ -334,3 +340,13 @@ def shard_tags(queue: str, shards: int) -> list[str]:
         else:  # pragma: no cover - 16,384 slots, at most 100 shards: always found
             raise RuntimeError(f"no tag found for shard {index} of {queue}")
     return tags
+
+
+# The shard tag of a task id that carries none (a task not sent by the aggregator).
+UNTAGGED = "untagged-results"
+
+
+def results_channel(task_id: str) -> str:
+    """The channel a task's result (and a streaming batch's deltas) is published on: its
+    shard's."""
+    return ShardKeys(tag_of(task_id) or UNTAGGED).results

@@ -18,6 +18,7 @@ class ItemOutcome(StrEnum):
     PROMPT_REJECTED = "prompt_rejected"  # the sampler refused this prompt alone (too long...)
     ERROR = "error"  # the sampler failed for the whole batch
     NOT_DISPATCHED = "not_dispatched"  # the batch's task could not be sent (broker down)
+    CANCELLED = "cancelled"  # dropped before sampling: its streaming client had left
 
 
 class RequestOutcome(StrEnum):
@@ -28,3 +29,4 @@ class RequestOutcome(StrEnum):
     UNAUTHORIZED = "unauthorized"  # 401: no valid API key (missing, unknown, revoked, expired)
     RATE_LIMITED = "rate_limited"  # 429 + Retry-After: the key is over its rate limit
     ERROR = "error"  # 502 (the sampler failed) or 503 (Redis or the broker unreachable)
+    CANCELLED = "cancelled"  # a stream whose client left before its end

@@ -50,6 +50,8 @@ class Problem(ProblemRow, Enum):
                        "service_unavailable_error", "model_unavailable", "MODEL_UNAVAILABLE")
     OVER_BUDGET     = (429, RequestOutcome.RATE_LIMITED, False, None,
                        "insufficient_quota", "insufficient_quota", "QUOTA_EXCEEDED")
+    CLIENT_CLOSED   = (499, RequestOutcome.CANCELLED, False, ItemOutcome.CANCELLED,
+                       "invalid_request_error", "client_closed_request", "CLIENT_CLOSED_REQUEST")
     # fmt: on
 
     @classmethod

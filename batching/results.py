@@ -34,10 +34,11 @@ import redis
 from celery import states
 from celery.backends.redis import RedisBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from redis.cluster import ClusterPipeline
 from redis.connection import parse_url
 
-from batching.keys import ShardKeys, tag_of
+from batching.deltas import Feed, RecentDeltas, is_delta, parse_deltas
+from batching.keys import results_channel
+from batching.result_store import key_prefix, queue_store
 from batching.topology import REDIS_FAULTS, is_cluster, redis_client
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,6 @@ HEALTH_INTERVAL_S = 5.0
 # waiter registers just after its append, so only a batch answered within that moment needs
 # it (a few KB a batch: at 200 batches/s, under 2 MB a process).
 RECENT_RESULTS_S = 2.0
-# The shard tag of a task id that carries none (a task not sent by the aggregator).
-UNTAGGED = "untagged-results"
 
 
 class ResultsUnavailable(redis.ConnectionError):
@@ -58,31 +57,20 @@ class ResultsUnavailable(redis.ConnectionError):
     timeout (the view answers 503)."""
 
 
-def key_prefix(backend: RedisBackend) -> str:
-    """What the backend puts before a task id in its result key: celery-task-meta-."""
-    key: str | bytes = backend.get_key_for_task("x")  # bytes at run time, str in the stubs
-    return (key.decode() if isinstance(key, bytes) else key)[:-1]
-
-
-def results_channel(task_id: str) -> str:
-    """The channel a task's result is published on: its shard's."""
-    return ShardKeys(tag_of(task_id) or UNTAGGED).results
-
-
-def publish_message(task_id: str, value: bytes | str) -> bytes:
-    """What is published: the task id, a space, then the stored meta."""
-    raw = value if isinstance(value, bytes) else value.encode()
-    return task_id.encode() + b" " + raw
-
-
 class _Pending:
-    __slots__ = ("event", "lost", "meta", "waiters")
+    __slots__ = ("event", "feeds", "lost", "meta", "waiters")
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.meta: dict[str, Any] | None = None
         self.waiters = 0
         self.lost = False
+        self.feeds: list[Feed] = []  # the streaming requests' (batching.deltas)
+
+    def done(self) -> None:
+        self.event.set()
+        for feed in self.feeds:
+            feed.wake()
 
 
 class _Node:
@@ -199,6 +187,7 @@ class ResultListener:
         self.lock = threading.Lock()  # guards what follows, and every write to a connection
         self._pending: dict[str, _Pending] = {}
         self._recent: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._recent_deltas = RecentDeltas(RECENT_RESULTS_S)
         self._nodes: dict[tuple[str, int], _Node] = {}
         self._node_of: dict[str, _Node] = {}  # channel -> the node it is subscribed on
         self._prefix = key_prefix(backend)
@@ -224,6 +213,28 @@ class ResultListener:
             assert entry.meta is not None
             return dict(entry.meta)
         finally:
+            self._unregister(task_id, entry)
+
+    def open_feed(self, task_ids: list[str]) -> Feed:
+        """A streaming request's feed of its batches' deltas and answers (batching.deltas),
+        waiting on them as `wait` does until `close_feed`."""
+        feed = Feed()
+        for task_id in dict.fromkeys(task_ids):
+            entry = self._register(task_id)
+            with self.lock:
+                entry.feeds.append(feed)
+                for payload in self._recent_deltas.of(task_id):  # those it came too late for
+                    feed.add(task_id, parse_deltas(payload))
+            feed.waits[task_id] = entry
+            if entry.event.is_set():
+                feed.wake()
+        return feed
+
+    def close_feed(self, feed: Feed) -> None:
+        for task_id, entry in feed.waits.items():
+            assert isinstance(entry, _Pending)
+            with self.lock:
+                entry.feeds.remove(feed)
             self._unregister(task_id, entry)
 
     def pending_count(self) -> int:
@@ -286,6 +297,15 @@ class ResultListener:
     def deliver_message(self, data: bytes) -> None:
         task_id_raw, _, payload = data.partition(b" ")
         task_id = task_id_raw.decode()
+        if is_delta(payload):
+            with self.lock:
+                self._recent_deltas.keep(task_id, payload, time.monotonic())
+                entry = self._pending.get(task_id)
+                if entry is not None and entry.feeds:
+                    deltas = parse_deltas(payload)
+                    for feed in entry.feeds:
+                        feed.add(task_id, deltas)
+            return
         with self.lock:
             # Kept for a waiter yet to register: one whose append returned just before the
             # result came, or one that registers after the others of its batch are gone.
@@ -307,7 +327,7 @@ class ResultListener:
         meta = self.backend.decode(payload)
         if meta.get("status") in states.READY_STATES:
             entry.meta = meta
-            entry.event.set()
+            entry.done()
 
     def check_stored(self, channel: str) -> None:
         """A subscription took effect: read the stored result of every id waiting on the
@@ -332,7 +352,7 @@ class ResultListener:
             for task_id, entry in self._pending.items():
                 if not entry.event.is_set() and results_channel(task_id) in channels:
                     entry.lost = True
-                    entry.event.set()
+                    entry.done()
 
     def resubscribe(self, channel: str, old: _Node) -> None:
         with self.lock:
@@ -343,54 +363,6 @@ class ResultListener:
             except Exception as exc:  # noqa: BLE001 - the next wait on the channel tries again
                 log.warning("result listener: cannot refresh the cluster's slots: %s", exc)
             self._ensure_subscribed(channel)
-
-
-def queue_result(
-    pipe: redis.client.Pipeline,
-    backend: RedisBackend,
-    task_id: str,
-    result: Any,
-    state: str = states.SUCCESS,
-    expires_s: float | None = None,
-) -> None:
-    """Queue on `pipe` what storing a task's result takes: the SET of its key (with
-    `expires_s`, by default the results' expiry), in Celery's own meta and encoding, so that
-    `AsyncResult(task_id).get()` reads it as any stored result, and its PUBLISH on the
-    shard's results channel.
-
-    Sent in a pipeline of the caller's (a worker sends a batch's answers with its record), and
-    without the GET by which `store_result` first checks for a stored success: a sealed batch
-    is answered once.
-    """
-    encoded = backend.encode_result(result, state)
-    # Celery's own meta (status, result, traceback, children, date_done, and the extended
-    # fields when result_extended is on): the one private name used here, as stable as the
-    # format it builds.
-    meta = backend._get_result_meta(  # type: ignore[attr-defined]
-        result=encoded, state=state, traceback=None, request=None
-    )
-    meta["task_id"] = task_id
-    _queue_store(pipe, backend, task_id, backend.encode(meta), expires_s)
-
-
-def _queue_store(
-    pipe: redis.client.Pipeline,
-    backend: RedisBackend,
-    task_id: str,
-    value: bytes | str,
-    expires: float | None = None,
-) -> None:
-    key = backend.get_key_for_task(task_id)
-    expires = expires if expires is not None else backend.expires  # type: ignore[attr-defined]
-    if expires:
-        pipe.set(key, value, px=max(1, int(expires * 1000)))
-    else:
-        pipe.set(key, value)
-    channel, message = results_channel(task_id), publish_message(task_id, value)
-    if isinstance(pipe, ClusterPipeline):
-        pipe.execute_command("SPUBLISH", channel, message)
-    else:
-        pipe.publish(channel, message)
 
 
 _listeners: dict[tuple[int, int], ResultListener] = {}
@@ -459,7 +431,7 @@ class SharedListenerRedisBackend(RedisBackend):
         key_text = key.decode() if isinstance(key, bytes) else key
         task_id = key_text[len(key_prefix(self)) :]
         with self.client.pipeline(transaction=False) as pipe:
-            _queue_store(pipe, self, task_id, value, expires)
+            queue_store(pipe, self, task_id, value, expires)
             pipe.execute()
 
     # The stock consumer would subscribe the sending thread to every task it sends (celery

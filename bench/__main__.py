@@ -30,6 +30,7 @@ BENCHMARKS = (
     "farm",
     "burst",
     "routing",
+    "streaming",
 )
 # Benchmarks whose measurements run on gevent: patched before anything else is imported.
 GEVENT = {"frontend"}

@@ -58,6 +58,11 @@ SET_VIEW = "/baseline/set"
 LAYOUTS = ["own broker", "one Redis"]
 
 
+def _echoed(prompt: str) -> str:
+    """What /baseline/set answers: the prompt it stored."""
+    return prompt
+
+
 def set_round_trip_us(client: redis.Redis, count: int = SET_ROUND_TRIPS) -> float:
     """The server's CPU for one plain SET round trip from one client, in µs."""
     key = "bench:redis-cost:set"
@@ -89,7 +94,7 @@ class Bench:
             tag = uuid.uuid4().hex[:6]
 
             def load(path: str, seconds: float, label: str) -> loadgen.Results:
-                expected = expected_completion if path == "/sample" else (lambda p: p)
+                expected = expected_completion if path == "/sample" else _echoed
                 return loadgen.run(
                     "127.0.0.1", stack.port, path, self.rate_rps, seconds,
                     lambda i: f"{label} {tag} {i}", expected, client_timeout_s=3.0,

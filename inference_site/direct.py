@@ -12,10 +12,10 @@ So a WSGI app in front of Django's hands those paths to their views directly (fo
 Django's own URL resolver at start, so urls.py stays the one list of routes) and everything
 else to Django as before. What the skipped middlewares do that these answers still need is
 done here: the host checked against ALLOWED_HOSTS (400 as Django says it), Content-Length
-(CommonMiddleware's), the security headers SecurityMiddleware and XFrameOptionsMiddleware
-add, an exception answered as Django's handler answers it (logged on django.request, 500),
-and django-prometheus' HTTP metrics counted as its middlewares count them
-(inference_site.prometheus.record_direct).
+(CommonMiddleware's; a streaming answer goes chunked, as it comes), the security headers
+SecurityMiddleware and XFrameOptionsMiddleware add, an exception answered as Django's handler
+answers it (logged on django.request, 500), and django-prometheus' HTTP metrics counted as its
+middlewares count them (inference_site.prometheus.record_direct).
 
 It stays rather than Django's handler with a shorter middleware list for these paths, since
 that would still pay the URL resolution and the request signals on every request. What it
@@ -87,6 +87,12 @@ class DirectRoutes:
         for name, value in self.headers:
             if name not in response:
                 response[name] = value
+        if response.streaming:  # written as it comes (chunked), and closed by the server
+            record_direct(request.method or "", view_name, response.status_code, started)
+            start_response(
+                f"{response.status_code} {response.reason_phrase}", list(response.items())
+            )
+            return response
         content = response.content
         # As CommonMiddleware does: a length, not a chunked body, for the client's keep-alive.
         response["Content-Length"] = str(len(content))

@@ -15,6 +15,7 @@ import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
 from batching import ratelimit
+from batching.deltas import STREAM_INTERVAL_MS
 from batching.keys import MAX_SHARDS
 from batching.policy import BOUNDS, Policy
 from batching.protocol import PRIORITY_STEPS
@@ -230,6 +231,9 @@ SAMPLING_MAX_BATCH_SIZE = _policy_int("SAMPLING_MAX_BATCH_SIZE", "max_batch_size
 SAMPLING_DEADLINE_MS = _policy_int("SAMPLING_DEADLINE_MS", "deadline_ms")
 SAMPLING_MAX_PROMPT_BYTES = _policy_int("SAMPLING_MAX_PROMPT_BYTES", "max_prompt_bytes")
 SIMULATED_BATCH_MS = env_int("SIMULATED_BATCH_MS", 100, minimum=0, maximum=600_000)
+# Words the simulated sampler adds to each completion (workers.samplers.simulated): longer
+# completions, streamed word by word over the call.
+SIMULATED_EXTRA_WORDS = env_int("SIMULATED_EXTRA_WORDS", 0, minimum=0, maximum=64)
 # A sampler call running longer than this is taken for hung: its batch's requests are answered
 # with an error at once and the worker exits for its supervisor to start a fresh one
 # (workers/pipeline.py). 0: automatic, 10 x the worker's call estimate and at least 2 s.
@@ -243,6 +247,11 @@ if 0 < SAMPLING_CALL_TIMEOUT_MS < 100:
 # workers.lifecycle). 0: the default, 3 (workers.runner.FAILED_CALLS_UNHEALTHY).
 SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS = env_int(
     "SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS", 0, minimum=0, maximum=1_000_000
+)
+# A call with streaming rows publishes their new text at most once this often (one message
+# per batch): 10 ms lets a 100 ms call show about 10 deltas (batching.deltas).
+SAMPLING_STREAM_INTERVAL_MS = env_int(
+    "SAMPLING_STREAM_INTERVAL_MS", STREAM_INTERVAL_MS, minimum=1, maximum=1000
 )
 # SAMPLER=hf: empty for the packaged SmolLM2-135M GGUF, else a local save_pretrained
 # directory, a local .gguf file or a Hub id already in the local cache.

@@ -234,6 +234,7 @@ def _charts(hour: list[tuple[int, Counter[str]]], policy: Policy, now: float) ->
         RequestOutcome.UNAUTHORIZED: charts.PALETTE["teal"],
         RequestOutcome.RATE_LIMITED: charts.PALETTE["blue"],
         RequestOutcome.ERROR: charts.PALETTE["red"],
+        RequestOutcome.CANCELLED: charts.PALETTE["brown"],
     }
     requests = charts.line_chart(
         title="Requests per second, by outcome",

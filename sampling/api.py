@@ -30,7 +30,7 @@ from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.stats import DEPARTED_STATES
 from batching.topology import REDIS_FAULTS
 from sampling import schemas
-from sampling.completions import completion_response
+from sampling.completions import completion_response, usage_of
 from sampling.openapi import openapi_document
 from sampling.responses import (
     JSON,
@@ -44,7 +44,8 @@ from sampling.responses import (
 )
 from sampling.routing import Route, route, sticky_of
 from sampling.runtime import WebProcess, web_process
-from sampling.submission import charge, submit
+from sampling.streams import Ends, client_left, completion_stream
+from sampling.submission import Answers, cancel, charge, enter, submit
 from sampling.validation import (
     check_settings,
     check_size,
@@ -78,7 +79,7 @@ def _completions(
     except Invalid as invalid:
         return Handled(RequestOutcome.BAD_REQUEST, openai_invalid(invalid))
     echoed = prompts if parsed.echo else None
-    return _generate(found, caller, arrival, policy, items, parsed, echoed, chat=False)
+    return _generate(request, found, caller, arrival, policy, items, parsed, echoed, chat=False)
 
 
 def _chat_completions(
@@ -96,10 +97,11 @@ def _chat_completions(
         items = sample_requests(None, chat, parsed)
     except Invalid as invalid:
         return Handled(RequestOutcome.BAD_REQUEST, openai_invalid(invalid))
-    return _generate(found, caller, arrival, policy, items, parsed, None, chat=True)
+    return _generate(request, found, caller, arrival, policy, items, parsed, None, chat=True)
 
 
 def _generate(
+    request: HttpRequest,
     found: Route,
     caller: Caller,
     arrival: float,
@@ -113,7 +115,10 @@ def _generate(
     """A validated request's items through its model's batches, and its answer (or error):
     the response names the model that served it (an alias's target)."""
     model = found.served
-    answers = submit(model, caller, items, arrival + policy.deadline_ms / 1000, policy.deadline_ms)
+    deadline = arrival + policy.deadline_ms / 1000
+    if parsed.stream:
+        return _stream(request, found, caller, policy, items, parsed, echoed, deadline, chat=chat)
+    answers = submit(model, caller, items, deadline, policy.deadline_ms)
     if isinstance(answers, Failure):
         return Handled(answers.outcome, answer_failure(openai_failure, answers), model)
     texts = [answer.text for answer in answers]
@@ -122,6 +127,38 @@ def _generate(
     tokens = charge(model.stats, caller, answers, found.entry.price, parsed.n)
     response = completion_response(model.name, parsed, answers, texts, tokens, chat=chat)
     return Handled(RequestOutcome.OK, _with_headers(response, answers.headers()), model)
+
+
+def _stream(
+    request: HttpRequest,
+    found: Route,
+    caller: Caller,
+    policy: Policy,
+    items: list[SampleRequest],
+    parsed: schemas._Settings,
+    echoed: list[str] | None,
+    deadline: float,
+    *,
+    chat: bool,
+) -> Handled:
+    """A `stream`ing request: joined as any, then answered by events as its text comes."""
+    model = found.served
+    entered = enter(model, caller, items, deadline, policy.deadline_ms, stream=True)
+    if isinstance(entered, Failure):
+        return Handled(entered.outcome, answer_failure(openai_failure, entered), model)
+
+    def charged(answers: Answers) -> dict[str, Any]:
+        return usage_of(charge(model.stats, caller, answers, found.entry.price, parsed.n))
+
+    ends = Ends(
+        charged,
+        lambda tickets: cancel(model, tickets),
+        client_left(request.META.get("gunicorn.socket")),
+    )
+    response, stream = completion_stream(
+        model.name, ends, parsed, entered, echoed, deadline, policy.deadline_ms, chat=chat
+    )
+    return Handled(RequestOutcome.OK, response, model, stream)
 
 
 def _with_headers(response: HttpResponse, headers: dict[str, str]) -> HttpResponse:

@@ -1,14 +1,8 @@
-"""The shapes of OpenAI's completions and chat completions: a whole answer, or its
-Server-Sent Events when `stream` is on.
-
-The batched call returns whole completions, so a stream has, per choice, one content chunk
-and its finish chunk (then a usage chunk when `stream_options.include_usage`), and ends with
-`data: [DONE]`.
-"""
+"""The shape of OpenAI's completions and chat completions as a whole answer (a stream's is
+sampling.streams')."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
@@ -27,7 +21,7 @@ def _finish_reason(answer: Answer) -> str:
     return answer.finish_reason or "stop"
 
 
-def _usage(tokens: Tokens) -> dict[str, Any]:
+def usage_of(tokens: Tokens) -> dict[str, Any]:
     """Prompt tokens once per prompt (its first choice's count), completion tokens of all, and
     as OpenAI reports them, the prompt tokens answered from the response cache."""
     return {
@@ -50,10 +44,7 @@ def completion_response(
     prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
     head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
             "model": model}  # fmt: skip
-    usage = _usage(tokens)
-    if parsed.stream:
-        include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-        return _stream(head, answers, texts, usage if include_usage else None, chat=chat)
+    usage = usage_of(tokens)
     if chat:
         choices: list[dict[str, Any]] = [
             {"index": index, "message": {"role": "assistant", "content": text},
@@ -71,45 +62,3 @@ def completion_response(
             for index, (answer, text) in enumerate(zip(answers, texts, strict=True))
         ]
     return json_response(200, {**head, "choices": choices, "usage": usage})
-
-
-def _stream(
-    head: dict[str, Any],
-    answers: list[Answer],
-    texts: list[str],
-    usage: dict[str, Any] | None,
-    *,
-    chat: bool,
-) -> HttpResponse:
-    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-    events = []
-    for index, (answer, text) in enumerate(zip(answers, texts, strict=True)):
-        if chat:
-            content = {"index": index, "delta": {"role": "assistant", "content": text},
-                       "finish_reason": None, "logprobs": None}  # fmt: skip
-            finish = {
-                "index": index,
-                "delta": {},
-                "finish_reason": _finish_reason(answer),
-                "logprobs": None,
-            }
-        else:
-            content = {"text": text, "index": index, "finish_reason": None, "logprobs": None}
-            finish = {
-                "text": "",
-                "index": index,
-                "finish_reason": _finish_reason(answer),
-                "logprobs": None,
-            }
-        events.append({**head, "choices": [content]})
-        events.append({**head, "choices": [finish]})
-    if usage is not None:
-        events.append({**head, "choices": [], "usage": usage})
-    body = "".join(
-        f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
-        for event in events
-    )
-    response = HttpResponse(body + "data: [DONE]\n\n", content_type="text/event-stream")
-    response["Cache-Control"] = "no-cache"
-    response["X-Accel-Buffering"] = "no"  # a proxy passes the events on as they come
-    return response

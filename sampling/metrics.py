@@ -61,6 +61,28 @@ TIER_LATENCY = Histogram(
     ["tier"],
     buckets=LATENCY_BUCKETS_S,
 )
+# Streams (sampling.streams), named after vLLM's: from a request's arrival to its first
+# content chunk, between two content chunks of a choice (a chunk carries what its worker
+# sampled since the last one: a token or a few), and to the stream's end.
+TOKEN_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+)  # fmt: skip
+TIME_TO_FIRST_TOKEN = Histogram(
+    "sampling_time_to_first_token_seconds",
+    "Streams: time from a request's arrival to its first content chunk",
+    buckets=TOKEN_LATENCY_BUCKETS_S,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "sampling_inter_token_latency_seconds",
+    "Streams: time between two content chunks of a choice",
+    buckets=TOKEN_LATENCY_BUCKETS_S,
+)
+E2E_STREAM_LATENCY = Histogram(
+    "sampling_e2e_request_latency_seconds",
+    "Streams: time from a request's arrival to its stream's last event, any outcome",
+    buckets=LATENCY_BUCKETS_S,
+)
 SHED_REQUESTS = Counter(
     "sampling_shed_requests",
     "Requests refused by their web process before any work (503): late, or too many in flight",
@@ -82,6 +104,18 @@ def record_cache(hits: int, misses: int) -> None:
         CACHE_RESULTS["hit"].inc(hits)
     if misses:
         CACHE_RESULTS["miss"].inc(misses)
+
+
+def record_first_token(seconds: float) -> None:
+    TIME_TO_FIRST_TOKEN.observe(seconds)
+
+
+def record_inter_token(seconds: float) -> None:
+    INTER_TOKEN_LATENCY.observe(seconds)
+
+
+def record_stream_end(seconds: float) -> None:
+    E2E_STREAM_LATENCY.observe(seconds)
 
 
 def record_request(outcome: RequestOutcome, latency_s: float, tier: str = "") -> None:

@@ -33,7 +33,7 @@ from batching.policy import PolicyWatcher
 from batching.problems import Failure, Problem
 from batching.protocol import RUN_BATCH_TASK, task_priority
 from batching.ratelimit import Limited, RateCounter, RateLimiter
-from batching.results import queue_result
+from batching.result_store import queue_result
 from batching.stats import RequestStats
 from batching.topology import REDIS_FAULTS
 from inference_site.celery import app as celery_app
@@ -105,6 +105,14 @@ def charge(
     return tokens
 
 
+class Entered(NamedTuple):
+    """A request's items in their batches (or answered by the response cache): a ticket per
+    item, and its answers so far (none yet, and what the cache did)."""
+
+    tickets: list[Ticket]
+    answers: Answers
+
+
 def submit(
     process: RequestPath,
     caller: Caller,
@@ -113,10 +121,37 @@ def submit(
     deadline_ms: int,
 ) -> Answers | Failure:
     """Every item's answer (each a completion, in order), or why the request gets none.
-    `deadline` is monotonic; `deadline_ms` the policy's, for messages. The items of a caller
-    with a request limit join its key's shard, and the call raises its counter
+    `deadline` is monotonic; `deadline_ms` the policy's, for messages."""
+    entered = enter(process, caller, items, deadline, deadline_ms)
+    if isinstance(entered, Failure):
+        return entered
+    answers = entered.answers
+    batches: dict[str, list[Any]] = {}  # several items may share a batch: read once
+    for ticket in entered.tickets:
+        answer = _wait(ticket, batches, deadline, deadline_ms)
+        if isinstance(answer, Failure):
+            return answer
+        failure = failure_of(answer, deadline_ms)
+        if failure is not None:
+            return failure
+        answers.append(answer)
+    return answers
+
+
+def enter(
+    process: RequestPath,
+    caller: Caller,
+    items: Sequence[str | SampleRequest],
+    deadline: float,
+    deadline_ms: int,
+    *,
+    stream: bool = False,
+) -> Entered | Failure:
+    """The request's items joined to their batches, or why it cannot be. The items of a
+    caller with a request limit join its key's shard, and the call raises its counter
     (batching.ratelimit). With the response cache on, an item whose output its input
-    determines is looked up in the same call (batching.cache): a hit joins no batch."""
+    determines is looked up in the same call (batching.cache): a hit joins no batch.
+    `stream`: the items are marked streaming (their worker publishes their text as it comes)."""
     limited = process.limiter.check(caller)  # the model's requests per minute
     if limited is not None:
         return _limited(limited)
@@ -124,7 +159,7 @@ def submit(
     queue = process.aggregator.queue
     digests = [cache.digest_of(queue, item, policy, caller.key_id) for item in items]
     joining = list(zip(digests, items, strict=True))
-    tickets = _join(process, caller, joining, policy.version, deadline, deadline_ms)
+    tickets = _join(process, caller, joining, policy.version, deadline, deadline_ms, stream)
     if isinstance(tickets, Failure):
         return tickets
     answers = Answers()
@@ -137,16 +172,26 @@ def submit(
         answers.cache = "hit" if hits == len(items) else "miss"
         process.stats.record_cache(hits, asked - hits)
         metrics.record_cache(hits, asked - hits)
-    batches: dict[str, list[Any]] = {}  # several items may share a batch: read once
+    return Entered(tickets, answers)
+
+
+def cancel(process: RequestPath, tickets: Sequence[Ticket]) -> None:
+    """Mark the items of a streaming request whose client left (ShardKeys.cancelled): one
+    not sealed yet takes no place in its call, and a running one's text stops (its worker
+    reads them). Redis away: only logged, the items are sampled for no one."""
+    by_batch: dict[str, list[int]] = {}
     for ticket in tickets:
-        answer = _wait(ticket, batches, deadline, deadline_ms)
-        if isinstance(answer, Failure):
-            return answer
-        failure = _failure_of(answer, deadline_ms)
-        if failure is not None:
-            return failure
-        answers.append(answer)
-    return answers
+        by_batch.setdefault(ticket.batch_id, []).append(ticket.index)
+    aggregator = process.aggregator
+    try:
+        with process.client.pipeline(transaction=False) as pipe:
+            for batch_id, indexes in by_batch.items():
+                key = aggregator.shard_of(batch_id).cancelled(batch_id)
+                pipe.sadd(key, *indexes)
+                pipe.pexpire(key, aggregator.ttl_ms)
+            pipe.execute()
+    except REDIS_FAULTS as exc:
+        log.warning("cannot mark %d items cancelled: %s", len(tickets), exc)
 
 
 def _join(
@@ -156,6 +201,7 @@ def _join(
     version: int,
     deadline: float,
     deadline_ms: int,
+    stream: bool = False,
 ) -> list[Ticket] | Failure:
     """Each item (with its cache digest) appended to its shard's open batch in one call, the
     batches it opened dispatched; or why the request is refused. A lone item of a caller far
@@ -172,13 +218,13 @@ def _join(
         if len(items) == 1 and not items[0][0] and not limiter.near(caller, cost, now_s):
             ticket = aggregator.append(
                 items[0][1], budget_ms, shard, key_id=caller.key_id, counter=counter,
-                lane=caller.priority,
+                lane=caller.priority, stream=stream,
             )  # fmt: skip
             joined = Joined([ticket], ticket.counted)
         else:
             joined = aggregator.append_items(
                 items, budget_ms, shard, key_id=caller.key_id, counter=counter, cost=cost,
-                limit=caller.rpm, version=version, lane=caller.priority,
+                limit=caller.rpm, version=version, lane=caller.priority, stream=stream,
             )  # fmt: skip
     except Exception as exc:  # any failure of the join's round trip: a 503
         # Not only RedisError: redis-py's cluster client raises RedisClusterException
@@ -236,7 +282,7 @@ def _wait(
         return Failure(Problem.SAMPLER_FAILED, "the sampler failed for this batch")
 
 
-def _failure_of(answer: Answer, deadline_ms: int) -> Failure | None:
+def failure_of(answer: Answer, deadline_ms: int) -> Failure | None:
     """The request's failure when one of its items got no completion."""
     problem = answer.problem
     if problem is None:

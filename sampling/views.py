@@ -11,6 +11,7 @@ and /api/inference are in sampling.api.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -21,12 +22,16 @@ from batching.problems import Failure
 from batching.topology import REDIS_FAULTS
 from sampling import metrics
 from sampling.responses import Invalid
-from sampling.routing import route, sticky_of
+from sampling.routing import Route, route, sticky_of
 from sampling.runtime import ServedModel, WebProcess, web_process
-from sampling.submission import charge, submit
+from sampling.streams import Ends, client_left, text_stream
+from sampling.submission import Answers, cancel, charge, enter, submit
 from sampling.wrappers import Handled, answer_failure, counted
 
 log = logging.getLogger(__name__)
+
+# `/sample?stream=1` (or `true`): the text as it is sampled.
+STREAM_VALUES = ("1", "true")
 
 
 def _text(status: int, body: str, **headers: str) -> HttpResponse:
@@ -67,11 +72,37 @@ def _sample(request: HttpRequest, process: WebProcess, arrival: float, caller: C
         return _bad(_reason(400, f"prompt is not valid UTF-8 (byte {exc.start})"), model)
 
     deadline_ms = policy.deadline_ms
-    answers = submit(model, caller, [prompt], arrival + deadline_ms / 1000, deadline_ms)
+    deadline = arrival + deadline_ms / 1000
+    if request.GET.get("stream") in STREAM_VALUES:
+        return _stream(request, found, caller, prompt, deadline, deadline_ms)
+    answers = submit(model, caller, [prompt], deadline, deadline_ms)
     if isinstance(answers, Failure):
         return Handled(answers.outcome, answer_failure(_failure, answers), model)
     charge(model.stats, caller, answers, found.entry.price)
     return Handled(RequestOutcome.OK, _text(200, answers[0].text, **answers.headers()), model)
+
+
+def _stream(
+    request: HttpRequest, found: Route, caller: Caller, prompt: str, deadline: float,
+    deadline_ms: int,
+) -> Handled:  # fmt: skip
+    """`?stream=1`: the prompt's text as it is sampled, plain, chunked (sampling.streams)."""
+    model = found.served
+    entered = enter(model, caller, [prompt], deadline, deadline_ms, stream=True)
+    if isinstance(entered, Failure):
+        return Handled(entered.outcome, answer_failure(_failure, entered), model)
+
+    def charged(answers: Answers) -> dict[str, Any]:
+        charge(model.stats, caller, answers, found.entry.price)
+        return {}
+
+    ends = Ends(
+        charged,
+        lambda tickets: cancel(model, tickets),
+        client_left(request.META.get("gunicorn.socket")),
+    )
+    response, stream = text_stream(ends, entered, deadline, deadline_ms)
+    return Handled(RequestOutcome.OK, response, model, stream)
 
 
 def _bad(response: HttpResponse, model: ServedModel | None = None) -> Handled:

@@ -21,6 +21,7 @@ from typing import Concatenate, NamedTuple, ParamSpec
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
+from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
 from batching.access import Caller
@@ -31,6 +32,7 @@ from sampling import metrics
 from sampling.responses import Invalid, openai_failure, openai_invalid
 from sampling.runtime import ServedModel, WebProcess, web_process
 from sampling.shedding import ShedReason
+from sampling.streams import Stream
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +40,20 @@ P = ParamSpec("P")
 
 
 class Handled(NamedTuple):
-    """What a handler made of a request: its outcome, its response, and the model whose
+    """What a handler made of a request: its outcome, its response, the model whose
     statistics count it (None: the default model's, as for a request refused before it
-    named one)."""
+    named one), and for a streaming response its end, where it is counted instead."""
 
     outcome: RequestOutcome
-    response: HttpResponse
+    response: HttpResponseBase
     model: ServedModel | None = None
+    stream: Stream | None = None
 
 
 Handler = Callable[[HttpRequest, WebProcess, float, Caller], Handled]
 
 Words = Callable[[Failure], HttpResponse]  # how an endpoint says a Failure
-View = Callable[[HttpRequest], HttpResponse]
+View = Callable[[HttpRequest], HttpResponseBase]
 
 
 def authenticate(request: HttpRequest, process: WebProcess) -> Caller | Failure:
@@ -86,36 +89,56 @@ def counted(handle: Handler, words: Words) -> View:
     to the API (no cookies)."""
 
     @csrf_exempt
-    def view(request: HttpRequest) -> HttpResponse:
+    def view(request: HttpRequest) -> HttpResponseBase:
         process = web_process()
         arrival = process.shedder.arrival(request.META)  # the deadline counts from here
         shed = _shed(process, arrival)
         caller: Caller | Failure
-        model: ServedModel | None = None
+        handled: Handled | None = None
         if shed is not None:
             reason, caller = shed
             metrics.record_shed(reason)
-            outcome, response = caller.outcome, answer_failure(words, caller)
+            handled = Handled(caller.outcome, answer_failure(words, caller))
         else:
             process.shedder.in_flight += 1
             try:
-                caller, (outcome, response, model) = _admitted(
-                    request, process, arrival, handle, words
-                )
+                caller, handled = _admitted(request, process, arrival, handle, words)
             except REDIS_FAULTS as exc:  # whatever step met Redis away: a 503, never a 500
                 caller = redis_away(exc)
-                outcome, response = caller.outcome, answer_failure(words, caller)
+                handled = Handled(caller.outcome, answer_failure(words, caller))
             finally:
-                process.shedder.in_flight -= 1
-        latency_s = time.monotonic() - arrival
-        key_id = 0 if isinstance(caller, Failure) else caller.key_id
-        tier = "" if isinstance(caller, Failure) else caller.tier
-        (model or process.default).stats.record(outcome, latency_s, key_id=key_id, tier=tier)
-        metrics.record_request(outcome, latency_s, tier)
-        return response
+                if handled is None or handled.stream is None:
+                    process.shedder.in_flight -= 1
+        if handled.stream is not None:  # its slot held, and counted, until it closes
+            model = handled.model
+            handled.stream.on_close(
+                lambda outcome: _count(process, model, caller, arrival, outcome, in_flight=True)
+            )
+        else:
+            _count(process, handled.model, caller, arrival, handled.outcome)
+        return handled.response
 
     view.__name__ = view.__qualname__ = handle.__name__.lstrip("_")
     return view
+
+
+def _count(
+    process: WebProcess,
+    model: ServedModel | None,
+    caller: Caller | Failure,
+    arrival: float,
+    outcome: RequestOutcome,
+    *,
+    in_flight: bool = False,
+) -> None:
+    """A request counted as it ends (`in_flight`: its slot given back too, a stream's)."""
+    if in_flight:
+        process.shedder.in_flight -= 1
+    latency_s = time.monotonic() - arrival
+    key_id = 0 if isinstance(caller, Failure) else caller.key_id
+    tier = "" if isinstance(caller, Failure) else caller.tier
+    (model or process.default).stats.record(outcome, latency_s, key_id=key_id, tier=tier)
+    metrics.record_request(outcome, latency_s, tier)
 
 
 def redis_away(exc: Exception) -> Failure:

@@ -31,7 +31,7 @@ from batching.loop import PeriodicLoop
 from batching.policy import PolicyWatcher, policy_from_settings
 from batching.protocol import RUN_BATCH_TASK, UNKNOWN_LANE, task_priority
 from batching.registry import HEARTBEAT_TIMEOUT_MS
-from batching.results import queue_result
+from batching.result_store import queue_result
 from batching.topology import REDIS_FAULTS
 from workers.pipeline import BatchPipeline
 from workers.runner import BatchRunner, Result
@@ -258,6 +258,7 @@ class SamplingWorker:
             runner.unhealthy_after = settings.SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS or (
                 runner.unhealthy_after
             )
+            runner.stream_interval_ms = settings.SAMPLING_STREAM_INTERVAL_MS
             runner.warm_up()
         except BaseException:
             claim.release()

@@ -20,11 +20,13 @@ from batching import cache, ratelimit, stats
 from batching.admission import AdmissionInputs
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer, WireAnswer, to_wire
+from batching.deltas import STREAM_INTERVAL_MS
 from batching.generation import Completion, Row
 from batching.items import Item, SealedBatch
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
 from batching.protocol import UNKNOWN_LANE
+from workers.deltas import DeltaPublisher
 from workers.metrics import WorkerMetrics
 from workers.samplers.base import PromptRejected, RowFailed, Sampler
 
@@ -68,6 +70,7 @@ class Turn:
     results: dict[int, Answer]  # by item index; every index once sampled
     chunks: list[list[int]]  # the live items' indexes, one list per sampler call
     began: float  # perf_counter when the seal started
+    called: float = 0.0  # perf_counter when its first sampler call started (0: none)
     sampler_ms: float = 0.0
     ended: float = 0.0  # perf_counter when the last call returned
     # API key id (0: anonymous) -> (prompt tokens, completion tokens) of its items sampled:
@@ -147,6 +150,9 @@ class BatchRunner:
         self.failed_calls = 0  # sampler calls failed in a row
         self.unhealthy_after = FAILED_CALLS_UNHEALTHY  # SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS
         self.last_failure = ""  # the last one's reason
+        # A call with streaming rows publishes their new text this often at most
+        # (SAMPLING_STREAM_INTERVAL_MS).
+        self.stream_interval_ms: float = STREAM_INTERVAL_MS
 
     @property
     def unhealthy(self) -> bool:
@@ -216,11 +222,17 @@ class BatchRunner:
         # One more call must end before the item's deadline, or the item is dropped now and
         # the sampler never sees it.
         cutoff = sealed.now_ms + self.estimate_ms
+        # A streaming item whose client left takes no place in the call (read only for a
+        # batch that streams: the others cost what they did).
+        streams = any(item.stream for item in sealed.items)
+        cancelled = self._cancelled(batch_id) if streams else set()
         results: dict[int, Answer] = {}
         live: list[int] = []
         for index, item in enumerate(sealed.items):
             if item.deadline_ms < cutoff:
                 results[index] = Answer(ItemOutcome.EXPIRED, "deadline could not be met")
+            elif index in cancelled:
+                results[index] = Answer(ItemOutcome.CANCELLED, "the client left")
             else:
                 live.append(index)
         # A batch opened under a larger max batch size than the policy's now (just lowered)
@@ -230,11 +242,18 @@ class BatchRunner:
         ran = replace(policy, **asdict(self.sampler.generation))
         return Turn(batch_id, sealed, policy, results, chunks, began, ran=ran)
 
+    def _cancelled(self, batch_id: str) -> set[int]:
+        """The indexes of the batch's items whose streaming client left (one round trip)."""
+        key = self.aggregator.shard_of(batch_id).cancelled(batch_id)
+        return {int(index) for index in self.aggregator.client.smembers(key)}
+
     def admission_inputs(self) -> AdmissionInputs:
         return AdmissionInputs(workers=self.live_workers, turn_ms=self.turn_ms)
 
     def sample(self, turn: Turn) -> None:
         """The turn's sampler calls: every live item gets its answer."""
+        if turn.chunks:
+            turn.called = time.perf_counter()
         for chunk in turn.chunks:
             turn.sampler_ms += self._sample(
                 turn.batch_id, turn.sealed.items, chunk, turn.results, turn.tokens_by_key
@@ -275,7 +294,15 @@ class BatchRunner:
             return 0.0
         self.busy_since = time.monotonic()
         try:
-            completions = self.sampler.batched_complete(rows)
+            if any(row.stream for row in rows):  # its new text published as it comes
+                publisher = DeltaPublisher(
+                    self.aggregator.client, batch_id, called, self.stream_interval_ms,
+                    self.aggregator.shard_of(batch_id).cancelled(batch_id),
+                )  # fmt: skip
+                with publisher:
+                    completions = self.sampler.batched_complete(rows, sink=publisher.sink)
+            else:
+                completions = self.sampler.batched_complete(rows)
             if len(completions) != len(rows):
                 raise RuntimeError(
                     f"sampler returned {len(completions)} completions for {len(rows)} prompts"
@@ -308,11 +335,12 @@ class BatchRunner:
         API request's prompt (a chat rendered by the sampler's template) with its own."""
         request = item.request
         if request is None:
-            return Row(item.prompt, self.sampler.row_settings(), bare=True)
+            return Row(item.prompt, self.sampler.row_settings(), bare=True, stream=item.stream)
         settings = request.settings(self.sampler.generation)
         if request.messages:
-            return Row(self.sampler.render_chat(request.messages), settings, templated=True)
-        return Row(request.prompt, settings)
+            prompt = self.sampler.render_chat(request.messages)
+            return Row(prompt, settings, templated=True, stream=item.stream)
+        return Row(request.prompt, settings, stream=item.stream)
 
     def _cached_answers(
         self, items: list[Item], results: list[Answer], policy: Policy
@@ -340,11 +368,16 @@ class BatchRunner:
             "lane": sealed.lane,
             "worker": self.worker,
             "size": len(results),
-            "sampled": len(results) - expired,
+            "sampled": len(results) - expired - counts[ItemOutcome.CANCELLED],
             **{str(outcome): counts[outcome] for outcome in ItemOutcome},
             "queue_wait_ms": queue_wait_ms,
             "sampler_ms": round(sampler_ms, 2),
             "sealed_at_ms": sealed.now_ms,
+            # When its call started, by the Redis node's clock as the seal's time is: what a
+            # stream's time to first token counts from.
+            "call_started_ms": (
+                sealed.now_ms + round((turn.called - turn.began) * 1000) if turn.called else None
+            ),
             "policy_version": policy.version,
             "max_batch_size": policy.max_batch_size,
         }

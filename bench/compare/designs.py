@@ -65,7 +65,9 @@ BARE = Design("bare view", "/healthz", post=False)
 
 
 def expected_for(design: Design) -> Callable[[str], str]:
-    return expected_completion if design.post else (lambda prompt: "ok\n")
+    if design.post:
+        return expected_completion
+    return lambda prompt: "ok\n"
 
 
 def calls_since(client: redis.Redis, design: Design, queue: str) -> list[tuple[int, float, int]]:

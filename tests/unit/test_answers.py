@@ -57,6 +57,7 @@ def test_every_item_outcome_but_ok_means_one_problem() -> None:
         ItemOutcome.PROMPT_REJECTED: Problem.PROMPT_REJECTED,
         ItemOutcome.ERROR: Problem.SAMPLER_FAILED,
         ItemOutcome.NOT_DISPATCHED: Problem.UNAVAILABLE,
+        ItemOutcome.CANCELLED: Problem.CLIENT_CLOSED,
     }
 
 
@@ -82,6 +83,8 @@ def test_the_table_keeps_the_statuses_outcomes_and_words_clients_know() -> None:
                               True),
         "OVER_BUDGET": (429, RequestOutcome.RATE_LIMITED, "insufficient_quota", "QUOTA_EXCEEDED",
                         False),
+        "CLIENT_CLOSED": (499, RequestOutcome.CANCELLED, "client_closed_request",
+                          "CLIENT_CLOSED_REQUEST", False),
     }  # fmt: skip
 
 

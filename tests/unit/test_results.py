@@ -16,12 +16,9 @@ import redis
 from celery import Celery, states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
-from batching.results import (
-    SharedListenerRedisBackend,
-    listener_for,
-    queue_result,
-    results_channel,
-)
+from batching.keys import results_channel
+from batching.result_store import queue_result
+from batching.results import SharedListenerRedisBackend, listener_for
 from tests.support.waiting import wait_until
 
 

@@ -14,7 +14,9 @@ from workers.samplers.base import MAX_BATCH, GenerationSettings, PromptRejected,
 def _simulated() -> Sampler:
     from workers.samplers.simulated import SimulatedSampler
 
-    return SimulatedSampler(batch_ms=settings.SIMULATED_BATCH_MS)
+    return SimulatedSampler(
+        batch_ms=settings.SIMULATED_BATCH_MS, extra_words=settings.SIMULATED_EXTRA_WORDS
+    )
 
 
 def _hf() -> Sampler:

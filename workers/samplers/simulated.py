@@ -59,9 +59,11 @@ _WORDS = [
 ]
 
 
-def expected_row_completion(prompt: str, settings: RowSettings) -> tuple[str, FinishReason]:
+def expected_row_completion(
+    prompt: str, settings: RowSettings, extra_words: int = 0
+) -> tuple[str, FinishReason]:
     """What the simulated sampler answers a row with its own settings, and why it ended."""
-    words = expected_completion(prompt).split(" ")
+    words = expected_completion(prompt, extra_words).split(" ")
     if not settings.greedy:
         # A stand-in for a model's draw, not a secret.
         seed = settings.seed if settings.seed is not None else random.random()  # noqa: S311
@@ -74,29 +76,38 @@ def expected_row_completion(prompt: str, settings: RowSettings) -> tuple[str, Fi
     return text, FinishReason.STOP if stopped else reason
 
 
-def expected_completion(prompt: str) -> str:
+def expected_completion(prompt: str, extra_words: int = 0) -> str:
     """The completion the simulated sampler gives `prompt`: a known answer, else three words
     drawn from a hash of the prompt followed by its length, so distinct prompts get distinct
-    answers."""
+    answers; then `extra_words` more words drawn from another hash of it (SIMULATED_EXTRA_WORDS:
+    longer completions, to stream)."""
     known = KNOWN_COMPLETIONS.get(prompt)
     if known is not None:
-        return known
-    digest = hashlib.blake2b(prompt.encode("utf-8"), digest_size=6).digest()
-    words = [_WORDS[digest[i] % len(_WORDS)] for i in range(3)]
-    return f"{' '.join(words)} {digest.hex()[:6]} ({len(prompt)} chars)"
+        text = known
+    else:
+        digest = hashlib.blake2b(prompt.encode("utf-8"), digest_size=6).digest()
+        words = [_WORDS[digest[i] % len(_WORDS)] for i in range(3)]
+        text = f"{' '.join(words)} {digest.hex()[:6]} ({len(prompt)} chars)"
+    if extra_words:
+        more = hashlib.blake2b(prompt.encode("utf-8"), digest_size=extra_words, person=b"more")
+        text += "".join(f" {_WORDS[byte % len(_WORDS)]}" for byte in more.digest())
+    return text
 
 
 class SimulatedSampler(Sampler):
     name = "simulated"
 
-    def __init__(self, batch_ms: float = 100.0) -> None:
+    def __init__(self, batch_ms: float = 100.0, extra_words: int = 0) -> None:
         self.batch_ms = batch_ms
+        self.extra_words = extra_words
         # While a streaming call runs: its pieces (share of the call, row, text) and its sink.
         self._streaming: tuple[list[tuple[float, int, str]], StreamSink] | None = None
 
     def sample(self, prompts: list[str]) -> list[str | PromptRejected]:
         started = time.perf_counter()
-        completions: list[str | PromptRejected] = [expected_completion(p) for p in prompts]
+        completions: list[str | PromptRejected] = [
+            expected_completion(p, self.extra_words) for p in prompts
+        ]
         self._wait_out_call(started)
         return completions
 
@@ -111,7 +122,10 @@ class SimulatedSampler(Sampler):
         a model's tokens come: word k of n (with the space before it) sent k/n of the way
         through, the last as the call ends. The call is still `sample` (and a probe's hooks
         on it), which sends them while it waits."""
-        answers = self._completions(rows, [expected_completion(row.prompt) for row in rows])
+        expected: list[str | PromptRejected] = [
+            expected_completion(row.prompt, self.extra_words) for row in rows
+        ]
+        answers = self._completions(rows, expected)
         pieces: list[tuple[float, int, str]] = []  # (share of the call, row, text)
         for index, (row, answer) in enumerate(zip(rows, answers, strict=True)):
             if row.stream and isinstance(answer, Completion):
@@ -154,7 +168,7 @@ class SimulatedSampler(Sampler):
                 tokens = self.count_tokens(row.prompt), self.count_tokens(text)
                 completions.append(Completion(text, FinishReason.STOP, *tokens))
                 continue
-            answer, reason = expected_row_completion(row.prompt, row.settings)
+            answer, reason = expected_row_completion(row.prompt, row.settings, self.extra_words)
             completions.append(
                 Completion(answer, reason, self.count_tokens(row.prompt), self.count_tokens(answer))
             )

@@ -1,0 +1,321 @@
+"""Tokens as they are sampled: the `openai` client's streams (sync and async, completions and
+chat) against gunicorn, a simulated worker whose 100 ms calls stream 16 words each, and Redis;
+the answers' deltas travel through Redis (batching.deltas) and arrive while the call runs."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import http.client
+import json
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import redis
+from openai import AsyncOpenAI, OpenAI
+
+from batching.aggregator import BatchAggregator
+from batching.deltas import is_delta, parse_deltas
+from batching.generation import render_chat_plain
+from bench.harness.proxy import Nginx, nginx_binary
+from inference_site.lib.stack import Stack
+from tests.support.http import request
+from tests.support.waiting import wait_until
+from workers.samplers.simulated import expected_completion
+
+pytestmark = pytest.mark.integration
+
+EXTRA_WORDS = 10  # 16 words a completion
+CALL_MS = 100
+# A 100 ms call with deltas every 10 ms at most shows at least this many content chunks.
+MIN_CHUNKS = 8
+
+
+@pytest.fixture(scope="module")
+def streaming(start_stack: Callable[..., Stack]) -> Stack:
+    env = {
+        "SAMPLER": "simulated",
+        "SIMULATED_BATCH_MS": str(CALL_MS),
+        "SIMULATED_EXTRA_WORDS": str(EXTRA_WORDS),
+        "SAMPLING_DEADLINE_MS": "5000",  # what arrives, not the deadline, is tested here
+    }
+    return start_stack("streaming", env=env)
+
+
+@pytest.fixture(scope="module")
+def client(streaming: Stack) -> OpenAI:
+    return OpenAI(base_url=f"{streaming.base_url}/v1", api_key="not-checked", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(streaming: Stack) -> str:
+    return streaming.env["SAMPLING_QUEUE"]
+
+
+def expected(prompt: str) -> str:
+    return expected_completion(prompt, EXTRA_WORDS)
+
+
+def test_a_completion_streams_chunk_by_chunk_while_its_call_runs(
+    client: OpenAI, model: str
+) -> None:
+    prompt = f"stream me {uuid.uuid4().hex[:6]}"
+    arrivals: list[float] = []
+    texts: list[str] = []
+    finishes = []
+    stream = client.completions.create(
+        model=model, prompt=prompt, stream=True, stream_options={"include_usage": True},
+        max_tokens=32,
+    )  # fmt: skip
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.text:
+                arrivals.append(time.monotonic())
+                texts.append(choice.text)
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+    assert "".join(texts) == expected(prompt)
+    assert len(texts) >= MIN_CHUNKS, texts
+    # Spread over the call, not in one piece at its end.
+    assert arrivals[-1] - arrivals[0] >= 0.5 * CALL_MS / 1000
+    assert finishes == ["stop"]
+    assert usage is not None
+    assert usage.completion_tokens == len(expected(prompt).split())
+
+
+def test_a_chat_streams_with_its_role_first(client: OpenAI, model: str) -> None:
+    content = f"chat stream {uuid.uuid4().hex[:6]}"
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], stream=True, max_tokens=32
+    )
+    chunks = [chunk for chunk in stream if chunk.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [chunk.choices[0].delta.content for chunk in chunks if chunk.choices[0].delta.content]
+    assert "".join(deltas) == expected(render_chat_plain((("user", content),)))
+    assert len(deltas) >= MIN_CHUNKS
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_streams_of_one_batch_each_get_their_own_text(streaming: Stack, model: str) -> None:
+    async def run() -> list[tuple[str, int]]:
+        async with AsyncOpenAI(
+            base_url=f"{streaming.base_url}/v1", api_key="not-checked", max_retries=0
+        ) as client:
+
+            async def one(prompt: str) -> tuple[str, int]:
+                stream = await client.completions.create(
+                    model=model, prompt=prompt, stream=True, max_tokens=32
+                )
+                texts = [c.choices[0].text async for c in stream if c.choices and c.choices[0].text]
+                return "".join(texts), len(texts)
+
+            return await asyncio.gather(*(one(f"together {i}") for i in range(20)))
+
+    found = asyncio.run(run())
+    assert [text for text, _ in found] == [expected(f"together {i}") for i in range(20)]
+    assert all(chunks >= MIN_CHUNKS for _, chunks in found), found
+
+
+def test_choices_of_one_request_stream_side_by_side(client: OpenAI, model: str) -> None:
+    prompts = [f"left {uuid.uuid4().hex[:6]}", f"right {uuid.uuid4().hex[:6]}"]
+    stream = client.completions.create(model=model, prompt=prompts, n=2, stream=True, max_tokens=32)
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {index: expected(prompts[index // 2]) for index in range(4)}
+
+
+def test_non_streaming_answers_are_unchanged(streaming: Stack, model: str) -> None:
+    prompt = f"whole {uuid.uuid4().hex[:6]}"
+    reply = request(
+        streaming.base_url,
+        "/v1/completions",
+        json.dumps({"model": model, "prompt": prompt, "max_tokens": 32}),
+        headers={"Content-Type": "application/json"},
+    )
+    assert reply.status == 200
+    assert reply.headers["content-length"] == str(len(reply.body.encode()))
+    assert json.loads(reply.body)["choices"][0]["text"] == expected(prompt)
+
+
+def batch_records(stack: Stack) -> list[dict[str, Any]]:
+    aggregator = BatchAggregator(
+        redis.Redis.from_url(stack.env["REDIS_URL"]), stack.env["SAMPLING_QUEUE"]
+    )
+    return [json.loads(raw) for raw in aggregator.batch_log.recent()]
+
+
+def _newer(
+    newest: Callable[[], dict[str, Any] | None], before: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    found = newest()
+    return found if found != before else None
+
+
+def test_the_first_chunk_comes_soon_after_its_calls_start(
+    streaming: Stack, client: OpenAI, model: str
+) -> None:
+    """Time to first token, from the call's start (its batch record, by the Redis node's
+    clock, which is this machine's) to the first content chunk's arrival."""
+
+    def first_chunk_at(index: int) -> float:
+        stream = client.completions.create(
+            model=model, prompt=f"first {index} {uuid.uuid4().hex[:6]}", stream=True
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                arrived = time.time()
+                stream.close()
+                return arrived
+        raise AssertionError("no content")
+
+    def newest() -> dict[str, Any] | None:
+        records = batch_records(streaming)
+        return records[0] if records else None
+
+    waits = []
+    for index in range(30):  # one at a time: the newest record is its call's
+        before = newest()
+        arrived = first_chunk_at(index)
+        record = wait_until(functools.partial(_newer, newest, before))
+        assert record is not None  # wait_until returns a truthy value
+        waits.append(arrived - record["call_started_ms"] / 1000)
+    waits.sort()
+    assert waits[int(0.9 * len(waits)) - 1] <= 0.025, " ".join(f"{w * 1000:.0f}" for w in waits)
+
+
+def _leave_after_the_first_chunk(stack: Stack, model: str, content: str) -> None:
+    """A chat stream whose client reads its first event (the role: its items have joined
+    their batch) and closes the connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=10)
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "stream": True}
+    connection.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline()  # the first chunk's size line (chunked transfer)
+    connection.close()
+
+
+def test_clients_that_leave_before_the_seal_take_no_place_in_a_call(
+    start_stack: Callable[..., Stack],
+) -> None:
+    """A call runs 1 s; meanwhile 50 streams join the next batch and leave: when it is sealed,
+    none of their items reaches the sampler, and each counts as cancelled."""
+    stack = start_stack(
+        "cancel",
+        env={"SAMPLER": "simulated", "SIMULATED_BATCH_MS": "1000",
+             "SIMULATED_EXTRA_WORDS": str(EXTRA_WORDS), "SAMPLING_DEADLINE_MS": "8000"},
+    )  # fmt: skip
+    model = stack.env["SAMPLING_QUEUE"]
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="not-checked", max_retries=0)
+    running = client.completions.create(model=model, prompt="the running call", stream=True)
+    next(chunk for chunk in running if chunk.choices and chunk.choices[0].text)  # it runs
+    with ThreadPoolExecutor(10) as pool:
+        list(pool.map(lambda i: _leave_after_the_first_chunk(stack, model, f"gone {i}"), range(50)))
+    "".join(chunk.choices[0].text for chunk in running if chunk.choices)  # to its end
+
+    def sealed_after() -> list[dict[str, Any]]:
+        records = batch_records(stack)
+        return [r for r in records if r.get("cancelled")] if len(records) >= 2 else []
+
+    cancelled = wait_until(sealed_after, timeout_s=20)
+    assert sum(record["cancelled"] for record in cancelled) == 50
+    assert all(record["sampled"] == 0 for record in cancelled)
+    assert all(record["call_started_ms"] is None for record in cancelled)  # no call at all
+    counted = 'sampling_requests_total{outcome="cancelled"} 50.0'
+    wait_until(lambda: counted in request(stack.base_url, "/metrics", method="GET").body)
+
+
+def test_a_client_that_leaves_during_the_call_stops_its_deltas(
+    start_stack: Callable[..., Stack],
+) -> None:
+    stack = start_stack(
+        "cancel-running",
+        env={"SAMPLER": "simulated", "SIMULATED_BATCH_MS": "1000",
+             "SIMULATED_EXTRA_WORDS": str(EXTRA_WORDS), "SAMPLING_DEADLINE_MS": "8000"},
+    )  # fmt: skip
+    model = stack.env["SAMPLING_QUEUE"]
+    listener = redis.Redis.from_url(stack.env["REDIS_URL"]).pubsub()
+    listener.psubscribe(f"sampling:{{{model}*:results")  # its shards' channels alone
+    prompt = f"leave midway {uuid.uuid4().hex[:6]}"
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="not-checked", max_retries=0)
+    stream = client.completions.create(model=model, prompt=prompt, stream=True)
+    texts = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            texts.append(chunk.choices[0].text)
+        if len(texts) == 2:
+            stream.close()
+            break
+    published = ""
+    answered = False
+    give_up = time.monotonic() + 10
+    while not answered and time.monotonic() < give_up:
+        message = listener.get_message(timeout=0.5)
+        if message is None or message["type"] != "pmessage":
+            continue
+        _, _, payload = message["data"].partition(b" ")
+        if is_delta(payload):
+            published += parse_deltas(payload).get(0, (0, ""))[1]
+        else:
+            answered = True  # the batch's answers: the call has ended
+    assert answered
+    full = expected(prompt)
+    assert full.startswith(published)
+    assert len(published.split()) < len(full.split()) / 2, published
+
+
+def _streamed_completion(client: OpenAI, model: str, prompt: str) -> tuple[list[str], float]:
+    """A streamed completion's content chunks, and the time from the first to the last."""
+    arrivals, texts = [], []
+    for chunk in client.completions.create(model=model, prompt=prompt, stream=True, max_tokens=32):
+        if chunk.choices and chunk.choices[0].text:
+            arrivals.append(time.monotonic())
+            texts.append(chunk.choices[0].text)
+    return texts, arrivals[-1] - arrivals[0]
+
+
+def test_streams_pass_through_the_shipped_nginx_as_they_come(streaming: Stack, model: str) -> None:
+    if nginx_binary() is None:
+        if os.environ.get("REQUIRE_NGINX"):
+            pytest.fail("REQUIRE_NGINX is set but nginx is not installed")
+        pytest.skip("nginx not installed (apt-get install nginx): the proxy is not tested")
+    with Nginx(streaming.port) as proxy:
+        client = OpenAI(base_url=f"{proxy.base_url}/v1", api_key="not-checked", max_retries=0)
+        prompt = f"through nginx {uuid.uuid4().hex[:6]}"
+        texts, spread_s = _streamed_completion(client, model, prompt)
+        assert "".join(texts) == expected(prompt)
+        assert len(texts) >= MIN_CHUNKS
+        assert spread_s >= 0.5 * CALL_MS / 1000  # not held by nginx until the end
+        whole = request(proxy.base_url, "/sample", "buffered as before")
+        assert whole.status == 200
+        assert whole.headers["content-length"] == str(len(whole.body.encode()))
+
+
+def test_curl_streams_sample_as_plain_text(streaming: Stack) -> None:
+    """`curl -N` on /sample?stream=1: the text arrives piece by piece, nothing else."""
+    prompt = f"curl stream {uuid.uuid4().hex[:6]}"
+    curl = subprocess.Popen(
+        ["curl", "-sS", "-N", "--data-binary", prompt, f"{streaming.base_url}/sample?stream=1"],
+        stdout=subprocess.PIPE,
+    )
+    assert curl.stdout is not None
+    pieces: list[tuple[float, bytes]] = []
+    while data := os.read(curl.stdout.fileno(), 65536):
+        pieces.append((time.monotonic(), data))
+    assert curl.wait(timeout=10) == 0
+    assert b"".join(data for _, data in pieces).decode() == expected(prompt)
+    assert len(pieces) >= MIN_CHUNKS // 2  # a pipe may join two pieces that came together
+    assert pieces[-1][0] - pieces[0][0] >= 0.5 * CALL_MS / 1000

@@ -1,0 +1,122 @@
+"""A streaming batch's deltas: the item's mark, the message's codec, the worker's coalescing
+publisher (against a real Redis) and a web process's feed of them."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from batching.deltas import Delta, Feed, delta_message, is_delta, parse_deltas
+from batching.generation import SampleRequest
+from batching.items import item_of, parse_item
+from batching.keys import ShardKeys, results_channel
+from tests.support.waiting import wait_until
+from workers.deltas import DeltaPublisher
+
+
+@pytest.mark.parametrize(("key_id", "cache"), [(0, ""), (7, ""), (7, "ab12cd")])
+@pytest.mark.parametrize("prompt", ["a bare prompt: with a colon", SampleRequest(prompt="p: x")])
+def test_an_item_says_whether_it_streams(
+    key_id: int, cache: str, prompt: str | SampleRequest
+) -> None:
+    for stream in (False, True):
+        raw = item_of(1234, prompt, key_id, cache, stream).encode()
+        item = parse_item(raw)
+        assert (item.deadline_ms, item.key_id, item.cache, item.stream) == (
+            1234, key_id, cache, stream,
+        )  # fmt: skip
+        assert item.request == (prompt if isinstance(prompt, SampleRequest) else None)
+        assert raw.startswith(b"1234")  # batching/lua/seal.lua reads the deadline's digits
+
+
+def test_a_delta_message_round_trips_and_is_told_from_an_answer() -> None:
+    deltas = {0: (0, " naïve"), 17: (12, " 東京 🚀")}
+    message = delta_message("b-1", deltas)
+    task_id, _, payload = message.partition(b" ")
+    assert task_id == b"b-1"
+    assert is_delta(payload)
+    assert parse_deltas(payload) == deltas
+    assert not is_delta(b'{"status": "SUCCESS"}')
+
+
+def _subscribed(redis_client: redis.Redis, channel: str) -> redis.client.PubSub:
+    pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(channel)
+    wait_until(lambda: redis_client.pubsub_numsub(channel)[0][1] == 1, timeout_s=5)
+    return pubsub
+
+
+def _received(pubsub: redis.client.PubSub, count: int) -> list[dict[int, Delta]]:
+    """The deltas of the first `count` messages on the channel."""
+    found: list[dict[int, Delta]] = []
+    give_up = time.monotonic() + 5
+    while len(found) < count and time.monotonic() < give_up:
+        message = pubsub.get_message(timeout=0.2)  # None also for a subscription's reply
+        if message is not None:
+            found.append(parse_deltas(message["data"].partition(b" ")[2]))
+    return found
+
+
+def test_the_publisher_coalesces_a_calls_text_into_a_message_per_interval(
+    redis_client: redis.Redis,
+) -> None:
+    batch_id = ShardKeys(uuid.uuid4().hex[:8]).batch_id("x1")
+    pubsub = _subscribed(redis_client, results_channel(batch_id))
+    words = [f" w{k}" for k in range(40)]
+    started = time.monotonic()
+    # Rows 0 and 1 of the call are the batch's items 5 and 2.
+    with DeltaPublisher(redis_client, batch_id, [5, 2], interval_ms=20) as publisher:
+        for word in words:
+            publisher.sink(0, word)
+            publisher.sink(1, word.upper())
+            time.sleep(0.002)
+    elapsed_ms = (time.monotonic() - started) * 1000
+    messages = _received(pubsub, publisher.published)
+    for item, text in ((5, "".join(words)), (2, "".join(words).upper())):
+        pieces = [m[item] for m in messages if item in m]
+        assert "".join(piece for _, piece in pieces) == text
+        # Each piece says where it goes: after all the item's text before it.
+        assert [offset for offset, _ in pieces] == list(
+            itertools.accumulate([len(piece) for _, piece in pieces[:-1]], initial=0)
+        )
+    # One message per interval at most (and one at the end), whatever the rows and tokens.
+    assert pubsub.get_message(timeout=0.1) is None  # and no other
+    assert 2 <= len(messages) <= elapsed_ms / 20 + 2
+
+
+def test_a_publisher_that_cannot_publish_never_fails_the_call() -> None:
+    unreachable = redis.Redis(port=1, socket_connect_timeout=0.2)
+    with DeltaPublisher(unreachable, "b-x", [0], interval_ms=5) as publisher:
+        publisher.sink(0, "lost")
+    assert publisher.published == 0
+
+
+class _Wait:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.meta: dict[str, Any] | None = None
+        self.lost = False
+
+
+def test_a_feed_hands_over_deltas_in_order_and_its_batches_answers() -> None:
+    feed = Feed()
+    wait = feed.waits["b-1"] = _Wait()
+    assert not feed.wait(0.01)
+    feed.add("b-1", {0: (0, "one")})
+    feed.add("b-1", {0: (3, " two")})
+    assert feed.wait(0)
+    assert feed.take() == [("b-1", {0: (0, "one")}), ("b-1", {0: (3, " two")})]
+    assert not feed.event.is_set()
+    assert feed.answers("b-1") is None
+    wait.meta = {"status": "SUCCESS"}
+    wait.event.set()
+    assert feed.answers("b-1") == {"status": "SUCCESS"}
+    wait.lost = True
+    with pytest.raises(LookupError):
+        feed.answers("b-1")
