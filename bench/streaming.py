@@ -90,8 +90,11 @@ async def _whole(port: int, request: bytes) -> Timeline:
         writer.write(request)
         head = await reader.readuntil(b"\r\n\r\n")
         length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-        body = json.loads(await reader.readexactly(length))
-        return Timeline(int(head.split(b" ", 2)[1]), [body["choices"][0]["text"]], [], True)
+        body = await reader.readexactly(length)
+        status = int(head.split(b" ", 2)[1])
+        if status != 200:  # a refusal (503 at 150% of the limit): no text
+            return Timeline(status)
+        return Timeline(status, [json.loads(body)["choices"][0]["text"]], [], True)
     finally:
         writer.close()
 

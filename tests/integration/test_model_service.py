@@ -113,3 +113,34 @@ def test_a_worker_whose_model_cannot_load_exits(redis_url: str, tmp_path: Path) 
     assert status != 0, output[-2000:]
     assert "the sampler could not be loaded, exiting" in output
     assert f"no model at {missing}" in output
+
+
+def test_streamed_answers_equal_whole_ones_in_a_mixed_batch(model_service: Stack) -> None:
+    """Streaming and whole requests of the same prompts, settings and seed, sent together
+    (they share batches): each stream's chunks, joined, are the whole answer, multi-byte
+    characters and stop strings included."""
+    client = OpenAI(
+        base_url=f"{model_service.base_url}/v1", api_key="-", max_retries=0, timeout=120
+    )
+    model = model_service.env["SAMPLING_QUEUE"]
+    prompts = ["Le café est", "日本の首都は", "Once upon a time", "E equals "]
+
+    def whole(prompt: str) -> str:
+        completion = client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0.9, seed=11, stop=[".", "\n\n"]
+        )
+        return completion.choices[0].text
+
+    def streamed(prompt: str) -> str:
+        chunks = client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0.9, seed=11,
+            stop=[".", "\n\n"], stream=True,
+        )  # fmt: skip
+        return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+
+    with ThreadPoolExecutor(max_workers=2 * len(prompts)) as pool:
+        wholes = [pool.submit(whole, prompt) for prompt in prompts]
+        streams = [pool.submit(streamed, prompt) for prompt in prompts]
+        answers = [(w.result(), s.result()) for w, s in zip(wholes, streams, strict=True)]
+    assert all(w == s for w, s in answers), answers
+    assert any(w for w, _ in answers)
