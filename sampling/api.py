@@ -30,7 +30,7 @@ from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.stats import DEPARTED_STATES
 from batching.topology import REDIS_FAULTS
 from sampling import schemas
-from sampling.completions import completion_response, usage_of
+from sampling.completions import completion_response
 from sampling.openapi import openapi_document
 from sampling.responses import (
     JSON,
@@ -44,8 +44,8 @@ from sampling.responses import (
 )
 from sampling.routing import Route, route, sticky_of
 from sampling.runtime import WebProcess, web_process
-from sampling.streams import Ends, client_left, completion_stream
-from sampling.submission import Answers, cancel, charge, enter, submit
+from sampling.streams import Ends, completion_stream
+from sampling.submission import charge, enter, submit
 from sampling.validation import (
     check_settings,
     check_size,
@@ -146,15 +146,7 @@ def _stream(
     entered = enter(model, caller, items, deadline, policy.deadline_ms, stream=True)
     if isinstance(entered, Failure):
         return Handled(entered.outcome, answer_failure(openai_failure, entered), model)
-
-    def charged(answers: Answers) -> dict[str, Any]:
-        return usage_of(charge(model.stats, caller, answers, found.entry.price, parsed.n))
-
-    ends = Ends(
-        charged,
-        lambda tickets: cancel(model, tickets),
-        client_left(request.META.get("gunicorn.socket")),
-    )
+    ends = Ends.of(request, model, caller, found.entry.price, parsed.n)
     response, stream = completion_stream(
         model.name, ends, parsed, entered, echoed, deadline, policy.deadline_ms, chat=chat
     )

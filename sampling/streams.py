@@ -25,9 +25,11 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any, NamedTuple
 
 from celery import states
-from django.http import StreamingHttpResponse
+from django.http import HttpRequest, StreamingHttpResponse
 
+from batching.access import Caller
 from batching.answers import Answer
+from batching.catalog import Price
 from batching.deltas import Feed
 from batching.items import Ticket
 from batching.outcomes import RequestOutcome
@@ -35,7 +37,17 @@ from batching.problems import Failure, Problem
 from batching.results import ResultListener, SharedListenerRedisBackend
 from inference_site.celery import app as celery_app
 from sampling import metrics, schemas
-from sampling.submission import Answers, Entered, failure_of
+from sampling.completions import usage_of
+from sampling.submission import (
+    Answers,
+    Entered,
+    RequestPath,
+    Tokens,
+    cancel,
+    charge,
+    failure_of,
+    unavailable,
+)
 
 SSE = "text/event-stream"
 # While no text comes, a stream looks this often whether its client has left.
@@ -111,15 +123,12 @@ class _Chunks:
         return b"data: [DONE]\n\n"
 
 
-class _Text(_Chunks):
-    """/sample's stream (`?stream=1`): the completion's text as it comes, nothing else; a
-    failure after it began is a last line that says so."""
+class _Text:
+    """/sample's stream (`?stream=1`), with _Chunks' methods: the completion's text as it
+    comes, nothing else; a failure after it began is a last line that says so."""
 
     content_type = "text/plain; charset=utf-8"
     chat = False
-
-    def __init__(self) -> None:
-        pass
 
     def content(self, choice: int, text: str, *, first: bool = False) -> bytes:
         return text.encode()
@@ -144,14 +153,25 @@ def _answer_of(meta: dict[str, Any], index: int) -> Answer | Failure:
 
 
 class Ends(NamedTuple):
-    """What a stream does as it ends: `charged(answers)` counts its answers' usage and returns
-    it in OpenAI's shape; `cancel(tickets)` marks the items of a client that left
+    """What a stream does as it ends: `charge(answers)` counts its answers' usage to its
+    caller; `cancel(tickets)` marks the items of a client that left
     (sampling.submission.cancel); `left()` says whether the client has left (its socket
     closed) while nothing is written to it."""
 
-    charged: Callable[[Answers], dict[str, Any]]
+    charge: Callable[[Answers], Tokens]
     cancel: Callable[[list[Ticket]], None]
     left: Callable[[], bool]
+
+    @classmethod
+    def of(
+        cls, request: HttpRequest, model: RequestPath, caller: Caller, price: Price, n: int = 1
+    ) -> Ends:
+        """A request's ends on its model (`n` choices per prompt, charged at `price`)."""
+        return cls(
+            lambda answers: charge(model.stats, caller, answers, price, n),
+            lambda tickets: cancel(model, tickets),
+            client_left(request.META.get("gunicorn.socket")),
+        )
 
 
 def client_left(connection: socket.socket | None) -> Callable[[], bool]:
@@ -216,7 +236,7 @@ class _Events:
 
     def __init__(
         self,
-        chunks: _Chunks,
+        chunks: _Chunks | _Text,
         ends: Ends,
         include_usage: bool,
         entered: Entered,
@@ -288,9 +308,9 @@ class _Events:
                 self.feed.wait(min(remaining, LEFT_CHECK_S))
             done = Answers(answer for answer in self.answers if answer is not None)
             done.from_cache = self.entered.answers.from_cache
-            usage = self.ends.charged(done)
+            tokens = self.ends.charge(done)
             if self.include_usage:
-                yield chunks.usage(usage)
+                yield chunks.usage(usage_of(tokens))
             yield chunks.done()
             self.stream.outcome = RequestOutcome.OK
         finally:
@@ -353,7 +373,7 @@ def _ready(
         try:
             meta = feed.answers(batch_id)
         except LookupError:
-            return Failure(Problem.UNAVAILABLE, "batch queue unavailable")
+            return unavailable()
         if meta is None:
             return None
         found = _answer_of(meta, index)

@@ -11,7 +11,6 @@ and /api/inference are in sampling.api.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -24,8 +23,8 @@ from sampling import metrics
 from sampling.responses import Invalid
 from sampling.routing import Route, route, sticky_of
 from sampling.runtime import ServedModel, WebProcess, web_process
-from sampling.streams import Ends, client_left, text_stream
-from sampling.submission import Answers, cancel, charge, enter, submit
+from sampling.streams import Ends, text_stream
+from sampling.submission import charge, enter, submit
 from sampling.wrappers import Handled, answer_failure, counted
 
 log = logging.getLogger(__name__)
@@ -91,16 +90,7 @@ def _stream(
     entered = enter(model, caller, [prompt], deadline, deadline_ms, stream=True)
     if isinstance(entered, Failure):
         return Handled(entered.outcome, answer_failure(_failure, entered), model)
-
-    def charged(answers: Answers) -> dict[str, Any]:
-        charge(model.stats, caller, answers, found.entry.price)
-        return {}
-
-    ends = Ends(
-        charged,
-        lambda tickets: cancel(model, tickets),
-        client_left(request.META.get("gunicorn.socket")),
-    )
+    ends = Ends.of(request, model, caller, found.entry.price)
     response, stream = text_stream(ends, entered, deadline, deadline_ms)
     return Handled(RequestOutcome.OK, response, model, stream)
 
