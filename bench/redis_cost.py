@@ -3,6 +3,9 @@
     .venv/bin/python -m bench redis_cost                     # this tree, 3 rounds (~3 minutes)
     .venv/bin/python -m bench redis_cost --against 4a03537   # and an older commit, alternating
 
+With `--against`, the older tree runs twice a round, as REF and REF (A/A): how far two runs of
+the same code read apart is the spread a difference must clear (`--no-aa`: once).
+
 A Redis server's CPU per request on these VMs is mostly waking up for it (system calls,
 context switches, cold caches), so it is compared with what the same server spends on one
 plain SET round trip, measured in the same run, two ways:
@@ -135,7 +138,7 @@ class Bench:
                 broker.stop()
         self.figures.setdefault((tree.name, layout), []).append(figures)
         shown = "  ".join(f"{name} {value:.2f}" for name, value in figures.items())
-        print(f"  {tree.name:<8} {layout:<10}  {shown}", flush=True)
+        print(f"  {tree.name:<15} {layout:<10}  {shown}", flush=True)
 
 
 COLUMNS = (
@@ -169,6 +172,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=400.0, help="offered req/s")
     parser.add_argument("--seconds", type=float, default=15.0, help="the measured part")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=LAYOUTS)
+    parser.add_argument(
+        "--no-aa", dest="aa", action="store_false", help="run the older tree once a round"
+    )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -176,6 +182,9 @@ def main(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-redis-cost-"))
     with contextlib.ExitStack() as resources:
         versions = trees(resources, args.against)
+        if args.against and args.aa:
+            before = versions[0]
+            versions.insert(1, Tree(f"{before.name} (A/A)", before.root))
         bench = Bench(args.rate, args.seconds, work)
         for round_index in range(args.rounds):
             print(f"round {round_index + 1}/{args.rounds}", flush=True)
