@@ -6,9 +6,11 @@ hour and the per-minute rows persisted to the database). Counters add up across 
 machines with HINCRBY, so no process needs to know of the others.
 
 - Web processes count each request (outcome, latency histogram) in memory and flush once a
-  second in one pipeline: the request path never waits on Redis for statistics.
+  second in one pipeline: the request path never waits on Redis for statistics. Streams add
+  their time to first token and between tokens (histograms of their own).
 - Workers write one pipeline per batch (size, expired, queue wait, sampling time, per-worker
-  busy time) and one per heartbeat (worker-seconds alive, for the busy %).
+  busy time) and one per heartbeat (worker-seconds alive, for the busy %, and every 10 s
+  the queue times of the items sampled since).
 - Each tier's requests (outcome, latency histogram) ride in the same buckets, under fields
   that name the tier (`tier_field`); `tier_counts` splits them out.
 - Usage per API key rides in the same buckets, under fields that name the key
@@ -74,6 +76,16 @@ SAMPLED_COMPLETION_TOKENS = "sampled:ct"
 # Items the response cache answered, and items it was asked for but did not hold.
 CACHE_HITS = "cache:hit"
 CACHE_MISSES = "cache:miss"
+
+
+# The latency histograms' fields: a prefix, then the bucket's index (`latency_bucket`).
+# Requests, any outcome, from arrival to answer; streams, from arrival to their first content
+# chunk, and between two content chunks of a choice; sampled items, from their request's
+# arrival to their call's start (workers.runner).
+LATENCY = "lat:"
+TTFT = "ttft:"  # time to first token
+ITL = "itl:"  # inter-token latency
+QUEUE_TIME = "qt:"
 
 
 # A tier's request fields: "t:<tier name>:" then "req:<outcome>" or "lat:<bucket>", the
@@ -196,7 +208,7 @@ class RequestStats:
         request of a tier, and one with an API key: its usage)."""
         latency_ms = latency_s * 1000
         second = int(self.clock() if now is None else now)
-        requests, latency = "req:" + outcome, f"lat:{latency_bucket(latency_ms)}"
+        requests, latency = "req:" + outcome, f"{LATENCY}{latency_bucket(latency_ms)}"
         with self._lock:
             counts = self._pending[second]
             counts[requests] += 1
@@ -207,6 +219,14 @@ class RequestStats:
                 counts[tier_field(tier, latency)] += 1
             if key_id:
                 counts[usage_field(key_id, requests)] += 1
+
+    def record_token_time(self, first: bool, seconds: float, now: float | None = None) -> None:
+        """A stream's content chunk went: `seconds` since its request's arrival (its `first`),
+        or since its choice's last chunk."""
+        field = f"{TTFT if first else ITL}{latency_bucket(seconds * 1000)}"
+        second = int(self.clock() if now is None else now)
+        with self._lock:
+            self._pending[second][field] += 1
 
     def record_cache(self, hits: int, misses: int, now: float | None = None) -> None:
         """Items answered from the response cache, and items it was asked for but lacked."""
@@ -275,6 +295,14 @@ def batch_counts(
         counts["waits"] = 1
         counts["wait_ms"] = max(0, queue_wait_ms)
     return counts
+
+
+def queue_time_counts(queue_times_ms: Iterable[float]) -> Counter[str]:
+    """Items' queue times as QUEUE_TIME histogram fields. A worker sends them with a
+    heartbeat every few seconds (workers.runner.QUEUE_TIMES_EVERY_S), not with each batch:
+    a batch's items span a few dozen buckets, a HINCRBY each, which per batch would add a
+    command or more per request."""
+    return Counter(f"{QUEUE_TIME}{latency_bucket(max(0.0, ms))}" for ms in queue_times_ms)
 
 
 def alive_counts(worker: str, seconds: int = 1) -> dict[str, int]:
@@ -369,9 +397,11 @@ class Summary:
         alive = self.counts[prefix + "alive"]
         return min(100.0, 100 * self.counts[prefix + "busy_us"] / 1e6 / alive) if alive else None
 
-    def latency_percentile_ms(self, q: float) -> float | None:
+    def latency_percentile_ms(self, q: float, histogram: str = LATENCY) -> float | None:
+        """The q-th percentile of a latency histogram: requests' (LATENCY) by default, or
+        TTFT, ITL, QUEUE_TIME."""
         return histogram_percentile(
-            [self.counts[f"lat:{i}"] for i in range(len(LATENCY_BOUNDS_MS) + 1)], q
+            [self.counts[f"{histogram}{i}"] for i in range(len(LATENCY_BOUNDS_MS) + 1)], q
         )
 
 

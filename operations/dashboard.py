@@ -115,7 +115,10 @@ class Dashboard:
         def number(value: float | None, fmt: str, unit: str = "") -> str:
             return "-" if value is None else f"{value:{fmt}}{unit}"
 
-        p50, p99 = recent.latency_percentile_ms(50), recent.latency_percentile_ms(99)
+        def p50_p99(histogram: str) -> str:
+            p50, p99 = (recent.latency_percentile_ms(q, histogram) for q in (50, 99))
+            return f"{number(p50, ',.0f', ' ms')} / {number(p99, ',.0f', ' ms')}"
+
         failures = (RequestOutcome.TIMEOUT, RequestOutcome.REJECTED, RequestOutcome.ERROR)
         return [
             ("requests/s", number(recent.rate(), ",.1f")),
@@ -129,7 +132,10 @@ class Dashboard:
                 f"{recent.counts[stats.CACHE_HITS]:,} / {recent.counts[stats.CACHE_MISSES]:,}"
                 f" ({number(recent.cache_hit_percent(), '.0f', '%')} hits)",
             ),
-            ("latency p50 / p99", f"{number(p50, ',.0f', ' ms')} / {number(p99, ',.0f', ' ms')}"),
+            ("latency p50 / p99", p50_p99(stats.LATENCY)),
+            ("time to first token p50 / p99 (streams)", p50_p99(stats.TTFT)),
+            ("between tokens p50 / p99 (streams)", p50_p99(stats.ITL)),
+            ("queue time p50 / p99 (arrival to call)", p50_p99(stats.QUEUE_TIME)),
             ("batches", f"{recent.batches:,}"),
             ("mean batch", number(recent.mean_batch(), ".1f")),
             ("batch fill", number(recent.fill_percent(), ".0f", "%")),
@@ -275,6 +281,7 @@ def _charts(hour: list[tuple[int, Counter[str]]], policy: Policy, now: float) ->
             for q, color in percentiles
         ],
     )
+    streams = _streams_chart(times, summaries, now)
     busy = charts.line_chart(
         title="GPU busy (% of worker time in sampling calls)",
         times=times,
@@ -285,4 +292,26 @@ def _charts(hour: list[tuple[int, Counter[str]]], policy: Policy, now: float) ->
             charts.Series("busy", charts.PALETTE["teal"], [s.busy_percent() for s in summaries])
         ],
     )
-    return [requests, fill, latency, busy]
+    return [requests, fill, latency, streams, busy]
+
+
+def _streams_chart(times: list[float], summaries: list[stats.Summary], now: float) -> str:
+    """Streams' time to first token, with the queue time of every request that waits in
+    line for a call (streaming or not): the part of the first token's time before the call."""
+    return charts.line_chart(
+        title="Streams: time to first token, and queue time (ms)",
+        times=times,
+        now=now,
+        unit=" ms",
+        series=[
+            charts.Series(
+                f"{name} p{q}", color, [s.latency_percentile_ms(q, histogram) for s in summaries]
+            )
+            for name, histogram, q, color in (
+                ("first token", stats.TTFT, 50, charts.PALETTE["green"]),
+                ("first token", stats.TTFT, 99, charts.PALETTE["red"]),
+                ("queue", stats.QUEUE_TIME, 50, charts.PALETTE["blue"]),
+                ("queue", stats.QUEUE_TIME, 99, charts.PALETTE["purple"]),
+            )
+        ],
+    )

@@ -156,11 +156,13 @@ class Ends(NamedTuple):
     """What a stream does as it ends: `charge(answers)` counts its answers' usage to its
     caller; `cancel(tickets)` marks the items of a client that left
     (sampling.submission.cancel); `left()` says whether the client has left (its socket
-    closed) while nothing is written to it."""
+    closed) while nothing is written to it; `timed(first, seconds)` counts when a content
+    chunk went: since the request's arrival (its `first`), or since its choice's last."""
 
     charge: Callable[[Answers], Tokens]
     cancel: Callable[[list[Ticket]], None]
     left: Callable[[], bool]
+    timed: Callable[[bool, float], None]
 
     @classmethod
     def of(
@@ -171,7 +173,17 @@ class Ends(NamedTuple):
             lambda answers: charge(model.stats, caller, answers, price, n),
             lambda tickets: cancel(model, tickets),
             client_left(request.META.get("gunicorn.socket")),
+            lambda first, seconds: _count_token_time(model, first, seconds),
         )
+
+
+def _count_token_time(model: RequestPath, first: bool, seconds: float) -> None:
+    """A content chunk's time on /metrics and the model's statistics (the stats page)."""
+    if first:
+        metrics.record_first_token(seconds)
+    else:
+        metrics.record_inter_token(seconds)
+    model.stats.record_token_time(first, seconds)
 
 
 def client_left(connection: socket.socket | None) -> Callable[[], bool]:
@@ -337,9 +349,9 @@ class _Events:
         now = time.monotonic()
         if not self.first_at:
             self.first_at = now
-            metrics.record_first_token(now - self.arrival)
+            self.ends.timed(True, now - self.arrival)
         elif self.last_at[choice]:
-            metrics.record_inter_token(now - self.last_at[choice])
+            self.ends.timed(False, now - self.last_at[choice])
         self.last_at[choice] = now
 
     def _answered(self) -> Generator[bytes, None, Failure | None]:

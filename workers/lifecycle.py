@@ -358,7 +358,9 @@ class SamplingWorker:
             pipe.set(
                 aggregator.keys.worker_info(runner.worker), json.dumps(info), px=WORKER_INFO_TTL_MS
             )
-            stats.add_counts(pipe, aggregator.queue, now, stats.alive_counts(runner.worker))
+            counts = runner.take_queue_times(now)
+            counts.update(stats.alive_counts(runner.worker))
+            stats.add_counts(pipe, aggregator.queue, now, counts)
             runner.metrics.publish(pipe, aggregator.queue, now)
             aggregator.batch_log.queue_turn_ms(pipe, runner.turn_ms)
             pipe.execute()

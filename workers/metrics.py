@@ -6,6 +6,8 @@ queue published (sampling/metrics.py), so Prometheus scrapes the web nodes only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import redis
 from prometheus_client import (
     CollectorRegistry,
@@ -50,6 +52,14 @@ class WorkerMetrics:
             labelnames=labels,
             registry=self.registry,
         ).labels(worker)
+        # Named after vLLM's request_queue_time_seconds.
+        self.queue_time = Histogram(
+            "sampling_request_queue_time_seconds",
+            "Time from a request's arrival to the start of the call that sampled its item",
+            buckets=SECONDS_BUCKETS,
+            labelnames=labels,
+            registry=self.registry,
+        ).labels(worker)
         self.sampler = Histogram(
             "sampling_sampler_seconds",
             "Duration of one batched_sample call",
@@ -83,9 +93,17 @@ class WorkerMetrics:
         self._failures.labels(self.worker, stage).inc()
 
     def observe_batch(
-        self, *, size: int, expired: int, queue_wait_ms: int | None, sampler_ms: float
+        self,
+        *,
+        size: int,
+        expired: int,
+        queue_wait_ms: int | None,
+        sampler_ms: float,
+        queue_times_ms: Iterable[float] = (),
     ) -> None:
         self.batches.inc()
+        for queue_time_ms in queue_times_ms:
+            self.queue_time.observe(queue_time_ms / 1000)
         self.batch_size.observe(size)
         self.expired.inc(expired)
         if queue_wait_ms is not None:

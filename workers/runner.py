@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -41,6 +42,30 @@ FAILED_CALLS_UNHEALTHY = 3
 
 # One item's answer as it leaves the worker (batching.answers: the wire format).
 Result = WireAnswer
+
+
+# A worker sends its items' queue times to the statistics with a heartbeat this often: a
+# second's items span a few dozen histogram buckets, a HINCRBY each and per granularity,
+# which every second would add a few percent to Redis's commands per request.
+QUEUE_TIMES_EVERY_S = 10.0
+
+# Items whose call never took them: they waited no queue time.
+_NOT_CALLED = (ItemOutcome.EXPIRED, ItemOutcome.CANCELLED)
+
+
+def _queue_times_ms(
+    items: list[Item], results: list[Answer], policy: Policy, call_started_ms: int | None
+) -> list[float]:
+    """Each called item's queue time: from its request's arrival (its deadline less the
+    policy's deadline, which its web process counted from the arrival) to its call's start,
+    both by the Redis node's clock. A turn of several calls counts from its first."""
+    if call_started_ms is None:
+        return []
+    return [
+        max(0.0, call_started_ms - (item.deadline_ms - policy.deadline_ms))
+        for item, answer in zip(items, results, strict=True)
+        if answer.outcome not in _NOT_CALLED
+    ]
 
 
 def _answer(item: Item, completion: Completion | PromptRejected) -> Answer:
@@ -146,6 +171,10 @@ class BatchRunner:
         # needs no scan for hand-overs.
         self.sealed_at: dict[str, float] = {}
         self.busy_s = 0.0
+        # The queue times (stats.QUEUE_TIME fields) of items sampled since the last heartbeat.
+        self._queue_times: Counter[str] = Counter()
+        self._queue_times_lock = threading.Lock()
+        self._queue_times_taken_at = 0.0
         self.busy_since: float | None = None  # monotonic time the running call started
         self.failed_calls = 0  # sampler calls failed in a row
         self.unhealthy_after = FAILED_CALLS_UNHEALTHY  # SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS
@@ -153,6 +182,16 @@ class BatchRunner:
         # A call with streaming rows publishes their new text this often at most
         # (SAMPLING_STREAM_INTERVAL_MS).
         self.stream_interval_ms: float = STREAM_INTERVAL_MS
+
+    def take_queue_times(self, now: float) -> Counter[str]:
+        """The queue-time counts of the items sampled since the last take, once every
+        QUEUE_TIMES_EVERY_S (`now`, time.time()); none in between."""
+        with self._queue_times_lock:
+            if now - self._queue_times_taken_at < QUEUE_TIMES_EVERY_S:
+                return Counter()
+            taken, self._queue_times = self._queue_times, Counter()
+            self._queue_times_taken_at = now
+        return taken
 
     @property
     def unhealthy(self) -> bool:
@@ -363,6 +402,10 @@ class BatchRunner:
         counts = Counter(answer.outcome for answer in results)
         expired = counts[ItemOutcome.EXPIRED]
         queue_wait_ms = sealed.now_ms - sealed.opened_at_ms if sealed.opened_at_ms >= 0 else None
+        call_started_ms = (
+            sealed.now_ms + round((turn.called - turn.began) * 1000) if turn.called else None
+        )
+        queue_times_ms = _queue_times_ms(sealed.items, results, policy, call_started_ms)
         record = {
             "batch_id": batch_id,
             "lane": sealed.lane,
@@ -375,15 +418,16 @@ class BatchRunner:
             "sealed_at_ms": sealed.now_ms,
             # When its call started, by the Redis node's clock as the seal's time is: what a
             # stream's time to first token counts from.
-            "call_started_ms": (
-                sealed.now_ms + round((turn.called - turn.began) * 1000) if turn.called else None
-            ),
+            "call_started_ms": call_started_ms,
             "policy_version": policy.version,
             "max_batch_size": policy.max_batch_size,
         }
+        with self._queue_times_lock:
+            self._queue_times.update(stats.queue_time_counts(queue_times_ms))
         self.metrics.observe_batch(
-            size=len(results), expired=expired, queue_wait_ms=queue_wait_ms, sampler_ms=sampler_ms
-        )
+            size=len(results), expired=expired, queue_wait_ms=queue_wait_ms,
+            sampler_ms=sampler_ms, queue_times_ms=queue_times_ms,
+        )  # fmt: skip
         statistics = stats.batch_counts(
             worker=self.worker,
             size=len(results),

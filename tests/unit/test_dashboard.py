@@ -54,7 +54,7 @@ def test_fixed_scenario_matches_the_hand_calculation(redis_client: redis.Redis) 
     assert headline["requests/s"] == "22,500.0"
     assert headline["mean batch"] == "90.0"
     # The last hour's charts have a line for each figure over the last minute.
-    requests_chart, fill_chart, latency_chart, busy_chart = board.charts
+    requests_chart, fill_chart, latency_chart, _, busy_chart = board.charts
     assert 'data-series="ok"' in requests_chart
     assert 'data-series="fill"' in fill_chart
     assert 'data-series="busy"' in busy_chart
@@ -103,3 +103,37 @@ def test_tier_rows_count_each_tier_apart(redis_client: redis.Redis) -> None:
     assert free.p99_ms == pytest.approx(500, rel=0.1)
     # The tiers' counts are apart from the queue's, which has every request.
     assert board.recent.requests() == sum(c for a in sent.values() for _, _, c in a) + 1
+
+
+def test_streams_time_to_first_token_between_tokens_and_queue_time(
+    redis_client: redis.Redis,
+) -> None:
+    """Each histogram as its counters were written: a web process's streams (first token,
+    between tokens) and a worker's heartbeat (its sampled items' queue times)."""
+    queue = unique_queue("dash-streams")
+    now = time.time()
+    recorder = stats.RequestStats(queue)
+    for index in range(100):  # first tokens of 20 to 119 ms, 10 ms between tokens
+        recorder.record_token_time(True, (20 + index) / 1000, now=now - 30)
+        recorder.record_token_time(False, 0.010, now=now - 30)
+    recorder.flush(redis_client)
+    queue_times_ms = [5.0] * 90 + [250.0] * 10  # 90 items waited 5 ms, 10 a whole call more
+    with redis_client.pipeline(transaction=False) as pipe:
+        stats.add_counts(pipe, queue, int(now) - 20, stats.queue_time_counts(queue_times_ms))
+        pipe.execute()
+
+    board = dashboard.build(redis_client, queue, Policy(), now=now)
+    recent = board.recent
+    assert recent.latency_percentile_ms(50, stats.TTFT) == pytest.approx(70, rel=0.1)
+    assert recent.latency_percentile_ms(99, stats.TTFT) == pytest.approx(119, rel=0.1)
+    assert recent.latency_percentile_ms(50, stats.ITL) == pytest.approx(10, rel=0.1)
+    assert recent.latency_percentile_ms(50, stats.QUEUE_TIME) == pytest.approx(5, rel=0.1)
+    assert recent.latency_percentile_ms(95, stats.QUEUE_TIME) == pytest.approx(250, rel=0.1)
+    # A stream's figures are not a request's: no request was counted.
+    assert recent.latency_percentile_ms(50) is None
+    headline = dict(board.headline)
+    p50, p99 = (recent.latency_percentile_ms(q, stats.TTFT) or 0 for q in (50, 99))
+    assert headline["time to first token p50 / p99 (streams)"] == f"{p50:.0f} ms / {p99:.0f} ms"
+    streams_chart = board.charts[3]
+    for series in ("first token p50", "first token p99", "queue p50", "queue p99"):
+        assert f'data-series="{series}"' in streams_chart
