@@ -8,14 +8,17 @@
 #   3. the model benchmark alone (it times): eager `generate` against the CUDA graphs at batch
 #      sizes 1, 10, 50 and 100, with 16 and 32 new tokens.
 #   4. the same benchmark on the larger SmolLM2 architectures with random weights (360M, 1.7B).
+#   5. streams under load (bench streaming --sampler hf): the packaged SmolLM2 in a worker on
+#      the GPU behind the whole stack, time to first token and between tokens at a few rates.
 # Everything lands in $GPU_REPORT_DIR (default gpu-report/): machine.txt, the pytest logs and
-# JUnit files, and sampler*.md (the benchmark's tables). Exits non-zero if a step failed.
+# JUnit files, sampler*.md and streaming.md (the benchmarks' tables). Exits non-zero if a
+# step failed.
 #
 # DRY=1 (`make gpu-report DRY=1`) checks on any machine, a CPU one included, that everything
 # the report needs is in place, without timing anything: torch and transformers import, the
 # packaged model file is there, the tests collect, and each benchmark command runs (one row,
 # two new tokens, on the CPU; the 1.7B architecture is only checked to be known, its random
-# weights taking 7 GB). It also writes carry.txt: what to carry to a GPU machine that reaches
+# weights taking 7 GB; two streams of two tokens through the stack on the CPU). It also writes carry.txt: what to carry to a GPU machine that reaches
 # no package registry, and the commands to fetch it.
 set -u
 PYTHON=${PYTHON:-python3}
@@ -24,6 +27,7 @@ DRY=${DRY:-}
 mkdir -p "$DIR"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1 PYTHONUNBUFFERED=1
 ARCHS="smollm2-360m smollm2-1.7b"
+STREAM_RATES=${STREAM_RATES:-10,50,200,500}  # streams a second
 TESTS_GPU="tests/gpu --confcutdir tests/gpu"
 TESTS_MODEL="tests/integration/test_hf_sampler.py tests/integration/test_static_decode.py tests/integration/test_model_service.py"
 
@@ -68,7 +72,9 @@ PY
     "$PYTHON" -m bench sampler $tiny > "$DIR/dry-sampler.md" 2>&1 || status=1
     # shellcheck disable=SC2086
     "$PYTHON" -m bench sampler $tiny --arch "${ARCHS%% *}" > "$DIR/dry-sampler-arch.md" 2>&1 || status=1
-    for name in sampler sampler-arch; do echo "== bench $name:"; tail -n 4 "$DIR/dry-$name.md"; done
+    "$PYTHON" -m bench streaming --sampler hf --rates 1 --seconds 2 --max-tokens 2 \
+        > "$DIR/dry-streaming.md" 2>&1 || status=1
+    for name in sampler sampler-arch streaming; do echo "== bench $name:"; tail -n 4 "$DIR/dry-$name.md"; done
     echo "== dry run: $([ $status = 0 ] && echo ready || echo 'NOT ready')"
     exit $status
 fi
@@ -111,4 +117,7 @@ for arch in $ARCHS; do
         --prompt-tokens 20-200 > "$DIR/sampler-$arch.md" 2>&1 || status=1
     cat "$DIR/sampler-$arch.md"
 done
+"$PYTHON" -m bench streaming --sampler hf --max-batch 100 --rates "$STREAM_RATES" \
+    > "$DIR/streaming.md" 2>&1 || status=1
+cat "$DIR/streaming.md"
 exit $status

@@ -60,6 +60,11 @@ def test_the_dry_run_checks_everything_the_report_needs(tmp_path: Path) -> None:
         collected = re.search(r"(\d+) tests? collected", (tmp_path / log).read_text())
         assert collected is not None
         assert int(collected.group(1)) > 0
+    # The streaming run's two streams went through the stack and each got its text.
+    streaming = (tmp_path / "dry-streaming.md").read_text().splitlines()
+    row = next((line for line in streaming if line.startswith("| 1/s |")), None)
+    assert row is not None, streaming
+    assert float(row.split("|")[2]) == 1.0  # goodput/s: both streams good over 2 s
 
 
 def test_the_dry_run_fails_without_torch(tmp_path: Path) -> None:
