@@ -52,22 +52,11 @@ class Nginx:
         binary = nginx_binary()
         if binary is None:
             raise FileNotFoundError("nginx is not installed (Debian: apt-get install nginx)")
-        for source in CONFIG_DIR.glob("*.conf"):
-            shutil.copy(source, self.directory / source.name)
-        (self.directory / "listen.conf").write_text(f"listen 127.0.0.1:{self.port};\n")
-        (self.directory / "upstream.conf").write_text(f"server 127.0.0.1:{self.upstream_port};\n")
-        if self.trusted is not None:
-            lines = [f"allow {network};" for network in self.trusted] + ["deny all;"]
-            (self.directory / "trusted-networks.conf").write_text("\n".join(lines) + "\n")
-        if self.balancers is not None:
-            lines = [f"set_real_ip_from {network};" for network in self.balancers]
-            lines += ["geo $realip_remote_addr $from_balancer {", "    default 0;"]
-            lines += [f"    {network} 1;" for network in self.balancers] + ["}"]
-            (self.directory / "balancers.conf").write_text("\n".join(lines) + "\n")
+        config = self.write_config()
         directives = f"daemon off; pid {self.directory / 'nginx.pid'};"
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
-                [binary, "-p", str(self.directory), "-c", str(self.directory / "nginx.conf"),
+                [binary, "-p", str(self.directory), "-c", str(config),
                  "-e", "stderr", "-g", directives],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
@@ -82,6 +71,23 @@ class Nginx:
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"nginx did not listen on {self.port}: {self.output()}")
+
+    def write_config(self) -> Path:
+        """The configuration nginx runs, in `directory`: the shipped one, its per-site
+        includes rewritten."""
+        for source in CONFIG_DIR.glob("*.conf"):
+            shutil.copy(source, self.directory / source.name)
+        (self.directory / "listen.conf").write_text(f"listen 127.0.0.1:{self.port};\n")
+        (self.directory / "upstream.conf").write_text(f"server 127.0.0.1:{self.upstream_port};\n")
+        if self.trusted is not None:
+            lines = [f"allow {network};" for network in self.trusted] + ["deny all;"]
+            (self.directory / "trusted-networks.conf").write_text("\n".join(lines) + "\n")
+        if self.balancers is not None:
+            lines = [f"set_real_ip_from {network};" for network in self.balancers]
+            lines += ["geo $realip_remote_addr $from_balancer {", "    default 0;"]
+            lines += [f"    {network} 1;" for network in self.balancers] + ["}"]
+            (self.directory / "balancers.conf").write_text("\n".join(lines) + "\n")
+        return self.directory / "nginx.conf"
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""

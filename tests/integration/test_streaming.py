@@ -19,14 +19,20 @@ from typing import Any
 import pytest
 import redis
 from openai import AsyncOpenAI, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
+from batching import stats
 from batching.aggregator import BatchAggregator
 from batching.deltas import is_delta, parse_deltas
 from batching.generation import render_chat_plain
+from batching.policy import Policy
 from bench.harness.proxy import Nginx, nginx_binary
 from inference_site.lib.stack import Stack
+from operations import dashboard
 from tests.support.http import request
+from tests.support.ingress_nginx import IngressNginx
 from tests.support.waiting import wait_until
+from workers.runner import QUEUE_TIMES_EVERY_S
 from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
@@ -35,17 +41,21 @@ EXTRA_WORDS = 10  # 16 words a completion
 CALL_MS = 100
 # A 100 ms call with deltas every 10 ms at most shows at least this many content chunks.
 MIN_CHUNKS = 8
+STREAMS_TIMED = 10
 
 
-@pytest.fixture(scope="module")
-def streaming(start_stack: Callable[..., Stack]) -> Stack:
-    env = {
+def _streaming_env() -> dict[str, str]:
+    return {
         "SAMPLER": "simulated",
         "SIMULATED_BATCH_MS": str(CALL_MS),
         "SIMULATED_EXTRA_WORDS": str(EXTRA_WORDS),
         "SAMPLING_DEADLINE_MS": "5000",  # what arrives, not the deadline, is tested here
     }
-    return start_stack("streaming", env=env)
+
+
+@pytest.fixture(scope="module")
+def streaming(start_stack: Callable[..., Stack]) -> Stack:
+    return start_stack("streaming", env=_streaming_env())
 
 
 @pytest.fixture(scope="module")
@@ -286,12 +296,18 @@ def _streamed_completion(client: OpenAI, model: str, prompt: str) -> tuple[list[
     return texts, arrivals[-1] - arrivals[0]
 
 
-def test_streams_pass_through_the_shipped_nginx_as_they_come(streaming: Stack, model: str) -> None:
+@pytest.mark.parametrize("proxy_kind", [Nginx, IngressNginx], ids=["nginx", "k8s-ingress"])
+def test_streams_pass_through_the_shipped_proxies_as_they_come(
+    streaming: Stack, model: str, proxy_kind: type[Nginx]
+) -> None:
+    """deploy/nginx, and the Kubernetes Ingress as ingress-nginx configures nginx for it
+    (tests/support/ingress_nginx.py): both buffer whole answers, and pass a stream's events
+    on as they come."""
     if nginx_binary() is None:
         if os.environ.get("REQUIRE_NGINX"):
             pytest.fail("REQUIRE_NGINX is set but nginx is not installed")
         pytest.skip("nginx not installed (apt-get install nginx): the proxy is not tested")
-    with Nginx(streaming.port) as proxy:
+    with proxy_kind(streaming.port) as proxy:
         client = OpenAI(base_url=f"{proxy.base_url}/v1", api_key="not-checked", max_retries=0)
         prompt = f"through nginx {uuid.uuid4().hex[:6]}"
         texts, spread_s = _streamed_completion(client, model, prompt)
@@ -318,3 +334,76 @@ def test_curl_streams_sample_as_plain_text(streaming: Stack) -> None:
     assert b"".join(data for _, data in pieces).decode() == expected(prompt)
     assert len(pieces) >= MIN_CHUNKS // 2  # a pipe may join two pieces that came together
     assert pieces[-1][0] - pieces[0][0] >= 0.5 * CALL_MS / 1000
+
+
+def _histogram(stack: Stack, name: str) -> tuple[float, float]:
+    """A histogram's count and sum on the stack's /metrics, over every series (workers)."""
+    reply = request(stack.base_url, "/metrics", method="GET")
+    count = total = 0.0
+    for family in text_string_to_metric_families(reply.body):
+        for sample in family.samples:
+            if sample.name == f"{name}_count":
+                count += sample.value
+            elif sample.name == f"{name}_sum":
+                total += sample.value
+    return count, total
+
+
+def _histogram_of(stack: Stack, name: str, count: int) -> float:
+    """The histogram's sum once it counts `count`."""
+
+    def counted() -> tuple[float, float] | None:
+        found = _histogram(stack, name)
+        return found if found[0] == count else None
+
+    found = wait_until(counted, what=f"{name} counts {count}")
+    assert found is not None  # wait_until returns a truthy value
+    return found[1]
+
+
+def _counted(summary: stats.Summary, histogram: str) -> int:
+    return sum(value for name, value in summary.counts.items() if name.startswith(histogram))
+
+
+def test_time_to_first_token_and_queue_time_are_measured(
+    start_stack: Callable[..., Stack],
+) -> None:
+    """Streams one at a time on a stack of their own: /metrics counts each stream's time to
+    first token and its item's queue time (arrival to its call's start, from the batch
+    records), and the stats page's figures agree."""
+    stack = start_stack("stream-times", env=_streaming_env())
+    model = stack.env["SAMPLING_QUEUE"]
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="not-checked", max_retries=0)
+    first_tokens, queue_times = [], []
+    for index in range(STREAMS_TIMED):
+        sent = time.time()
+        stream = client.completions.create(model=model, prompt=f"timed {index}", stream=True)
+        arrivals = [time.time() for c in stream if c.choices and c.choices[0].text]
+        first_tokens.append(arrivals[0] - sent)
+        records = wait_until(functools.partial(_records_at_least, stack, index + 1))
+        queue_times.append(records[0]["call_started_ms"] / 1000 - sent)  # the newest batch's
+
+    first_token_sum = _histogram_of(stack, "sampling_time_to_first_token_seconds", STREAMS_TIMED)
+    queue_sum = _histogram_of(stack, "sampling_request_queue_time_seconds", STREAMS_TIMED)
+    # The server's clocks start a little after the client's: a few ms per request at most.
+    assert sum(first_tokens) - 0.1 <= first_token_sum <= sum(first_tokens)
+    assert sum(queue_times) - 0.1 <= queue_sum <= sum(queue_times) + 0.01
+
+    def recent() -> stats.Summary | None:
+        board = dashboard.build(redis.Redis.from_url(stack.env["REDIS_URL"]), model, Policy())
+        counted = (_counted(board.recent, name) for name in (stats.TTFT, stats.QUEUE_TIME))
+        return board.recent if all(c == STREAMS_TIMED for c in counted) else None
+
+    # The workers' queue times come with a heartbeat every 10 s.
+    summary = wait_until(recent, timeout_s=3 * QUEUE_TIMES_EVERY_S)
+    assert summary is not None
+    assert _counted(summary, stats.ITL) >= STREAMS_TIMED * (MIN_CHUNKS - 1)
+    for histogram, measured in ((stats.TTFT, first_tokens), (stats.QUEUE_TIME, queue_times)):
+        median_ms = sorted(measured)[len(measured) // 2] * 1000
+        found = summary.latency_percentile_ms(50, histogram)
+        assert found == pytest.approx(median_ms, rel=0.25, abs=3), histogram
+
+
+def _records_at_least(stack: Stack, count: int) -> list[dict[str, Any]]:
+    records = batch_records(stack)
+    return records if len(records) >= count else []
