@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
+import statistics
 import tempfile
 import time
 import uuid
@@ -149,21 +150,29 @@ COLUMNS = (
 
 
 def table(bench: Bench, trees: list[Tree], layouts: list[str]) -> str:
+    """Medians over the rounds; with an older tree, each tree's µs/request against the older
+    one's in the same round and layout, the median of those ratios (a round's noise is
+    shared by the trees it ran)."""
     rounds = max(len(runs) for runs in bench.figures.values())
     rows = []
     for layout in layouts:
+        base = bench.figures.get((trees[0].name, layout), [])
         for tree in trees:
             runs = bench.figures.get((tree.name, layout), [])
             if runs:
                 row = median_of_rounds(runs)
                 cells = [f"{row[name]:.{digits}f}" for name, _, digits in COLUMNS]
-                rows.append([tree.name, layout, *cells])
-    header = ["code", "layout", *(title for _, title, _ in COLUMNS)]
+                paired = zip(runs, base, strict=True)
+                ratios = [run["request_us"] / old["request_us"] - 1 for run, old in paired]
+                against = f"{statistics.median(ratios):+.1%}" if len(trees) > 1 else "-"
+                rows.append([tree.name, layout, *cells, against])
+    header = ["code", "layout", *(title for _, title, _ in COLUMNS), f"vs {trees[0].name}"]
     title = (
         f"Redis CPU per request at {bench.rate_rps:g} req/s, {WORKERS} simulated GPUs "
         f"(median of {rounds} rounds)"
     )
-    return f"{title}\n\n{markdown_table(header, rows, align='ll' + 'r' * len(COLUMNS))}\n"
+    align = "ll" + "r" * (len(COLUMNS) + 1)
+    return f"{title}\n\n{markdown_table(header, rows, align=align)}\n"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
