@@ -58,7 +58,7 @@ from batching.admission import AdmissionInputs
 from batching.batch_log import BatchLog
 from batching.clock import RedisClock
 from batching.generation import SampleRequest
-from batching.items import BatchIds, Joined, SealedBatch, Ticket, item_of, parse_item
+from batching.items import BatchIds, Joined, SealedBatch, Ticket, item_of
 from batching.join import ItemsCall, join, join_items
 from batching.keys import LaneKeys, QueueKeys, ShardKeys, shard_tags, tag_of
 from batching.lanes import HOLD_DEADLINE_FRACTION, SCRIPT_CONSTANTS
@@ -377,16 +377,26 @@ class BatchAggregator:
         *,
         lane: int = -1,
         exact: bool = False,
+        places: int = 0,
         now_ms: int | None = None,
     ) -> SealedBatch:
         """Take the items of a batch of the task's shard (closing it, if it is an open one):
         the task's own batch (`batch_id`, of `lane`; -1: not known), or one of a higher lane
         whose batch is ready (see batching/lua/seal.lua); `exact`: that batch or none. A
         worker passes what it knows for admission (`inputs`), and gets the shard's batches
-        due for a hand-over."""
+        due for a hand-over; with `places`, backfill items up to that many items in all
+        (batching.backfill)."""
         keys = self.shard_of(batch_id)
         raw = self._scripts["seal"](
-            keys=[keys.lanes, keys.handover_due, keys.admission, keys.sent, keys.taken_over],
+            keys=[
+                keys.lanes,
+                keys.handover_due,
+                keys.admission,
+                keys.sent,
+                keys.taken_over,
+                keys.backfill,
+                keys.backfill_taken,
+            ],
             args=[
                 batch_id,
                 keys.batch_prefix,
@@ -399,18 +409,11 @@ class BatchAggregator:
                 lane,
                 int(exact),
                 self.hold_ms,
+                places,
                 *_clock_arg(now_ms),
             ],
         )
-        handed = int(raw[4])
-        return SealedBatch(
-            int(raw[0]),
-            int(raw[1]),
-            [parse_item(item) for item in raw[5 + handed :]],
-            [due.decode() for due in raw[5 : 5 + handed]],
-            raw[2].decode(),
-            int(raw[3]),
-        )
+        return SealedBatch.of_reply(raw)
 
     def abandon(self, batch_id: str, lane: int = -1, *, now_ms: int | None = None) -> int:
         """Close a batch whose task cannot be sent, so no later request joins it; returns how

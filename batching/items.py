@@ -75,12 +75,34 @@ class SealedBatch:
     # batch of a higher lane it chose ("": none, every batch of the shard sealed already).
     batch_id: str = ""
     lane: int = -1
+    # Backfill items the seal took into the places left (raw: batching.backfill reads them),
+    # and how many the shard's lane still holds.
+    backfill: list[bytes] = field(default_factory=list)
+    backfill_left: int = 0
+
+    @staticmethod
+    def of_reply(raw: list[Any]) -> SealedBatch:
+        """What seal.lua replied."""
+        handed = int(raw[4])
+        backfilled, left = int(raw[5 + handed]), int(raw[6 + handed])
+        end = len(raw) - backfilled
+        return SealedBatch(
+            int(raw[0]),
+            int(raw[1]),
+            [parse_item(item) for item in raw[7 + handed : end]],
+            [due.decode() for due in raw[5 : 5 + handed]],
+            raw[2].decode(),
+            int(raw[3]),
+            list(raw[end:]),
+            left,
+        )
 
     @property
     def sealed_before(self) -> bool:
         """Nothing to answer: the task's batch was sealed by an earlier task (a duplicate sent
-        by a hand-over), or it expired, and the shard had no other batch waiting."""
-        return not self.batch_id and not self.items
+        by a hand-over), or it expired, and the shard had no other batch waiting, nor any
+        backfill item."""
+        return not self.batch_id and not self.items and not self.backfill
 
 
 def item_of(

@@ -107,6 +107,11 @@ class QueueKeys:
     def housekeeping_lock(self) -> str:
         return f"{self.tag}:housekeeping"
 
+    @cached_property
+    def feeder_lock(self) -> str:
+        """Held by the one web process that feeds the queue's offline jobs (offline.feeder)."""
+        return f"{self.tag}:feeder"
+
 
 # The published model catalog (batching.catalog): one JSON value with a version, the models
 # operators registered and their aliases, read by every web process's poller.
@@ -261,6 +266,30 @@ class ShardKeys:
         """A set of the indexes of a batch's items whose streaming client left: its worker
         drops them before its call, or stops their deltas during it."""
         return f"{self.prefix}:cancelled:{batch_id}"
+
+    @cached_property
+    def backfill(self) -> str:
+        """The shard's backfill lane (batching.backfill): a list of offline jobs' items, which
+        a seal takes into the places its batch leaves empty (a whole batch for a GPU that
+        would otherwise be idle)."""
+        return f"{self.prefix}:backfill"
+
+    @cached_property
+    def backfill_taken(self) -> str:
+        """A zset of the backfill items seals took, scored by when (ms): one not answered in
+        time goes back to `backfill`."""
+        return f"{self.prefix}:backfill-taken"
+
+    @cached_property
+    def backfill_epoch(self) -> str:
+        """A token the feeder writes where it is missing: another than the one a job was fed
+        under, the lane was lost since (a restart), and the job's unanswered lines go again."""
+        return f"{self.prefix}:backfill-epoch"
+
+    @cached_property
+    def backfill_done(self) -> str:
+        """A list of the answers of backfill items, for the feeder to collect."""
+        return f"{self.prefix}:backfill-done"
 
     def batch_id(self, unique: str) -> str:
         return f"{{{self.tag}}}{unique}"

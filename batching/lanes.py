@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from batching.admission import WORST_CASE_EXTRA_TURNS
 from batching.policy import MAX_BATCH_SIZE
+from batching.protocol import BACKFILL_TURN
 
 # A lane not used for this many batch lifetimes (ttl) is forgotten by the seals.
 LANE_KEEP_TTLS = 10
@@ -41,4 +42,5 @@ SCRIPT_CONSTANTS: dict[str, object] = {
     "VIABLE_SCAN": VIABLE_SCAN,
     "SHARE_WEIGHT": SHARE_WEIGHT,
     "MIN_SHARE": MIN_SHARE,
+    "BACKFILL_TURN": BACKFILL_TURN,
 }

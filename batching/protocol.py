@@ -14,6 +14,9 @@ RUN_BATCH_TASK = "sampling.run_batch"
 PRIORITY_STEPS = list(range(10))
 # A batch task's lane when the sender does not know it (a task sent again by a hand-over).
 UNKNOWN_LANE = -1
+# The lane of a backfill turn: a worker whose GPU would be idle seals with it, taking any batch
+# that waits, else a whole batch of offline jobs' items (batching.backfill).
+BACKFILL_TURN = -2
 
 
 def task_priority(lane: int) -> int:

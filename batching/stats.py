@@ -73,6 +73,10 @@ SAMPLED_PROMPT_TOKENS = "sampled:pt"
 SAMPLED_COMPLETION_TOKENS = "sampled:ct"
 
 
+# Offline jobs' items sampled (batching.backfill), and calls of nothing else.
+BACKFILL_ITEMS = "backfill:items"
+BACKFILL_CALLS = "backfill:calls"
+
 # Items the response cache answered, and items it was asked for but did not hold.
 CACHE_HITS = "cache:hit"
 CACHE_MISSES = "cache:miss"
@@ -303,6 +307,12 @@ def queue_time_counts(queue_times_ms: Iterable[float]) -> Counter[str]:
     a batch's items span a few dozen buckets, a HINCRBY each, which per batch would add a
     command or more per request."""
     return Counter(f"{QUEUE_TIME}{latency_bucket(max(0.0, ms))}" for ms in queue_times_ms)
+
+
+def busy_counts(worker: str, sampler_ms: float) -> dict[str, int]:
+    """A call's busy time alone (a call of backfill items only: no batch of the queue's)."""
+    busy_us = round(sampler_ms * 1000)
+    return {"busy_us": busy_us, f"w:{worker}:busy_us": busy_us, BACKFILL_CALLS: 1}
 
 
 def alive_counts(worker: str, seconds: int = 1) -> dict[str, int]:

@@ -31,6 +31,7 @@ BENCHMARKS = (
     "burst",
     "routing",
     "streaming",
+    "backfill",
 )
 # Benchmarks whose measurements run on gevent: patched before anything else is imported.
 GEVENT = {"frontend"}

@@ -72,6 +72,8 @@ WEB = f"""\
       PORT: "{WEB_PORT}"
       # nginx appends the client's address to X-Forwarded-For (admin login throttling).
       WEB_PROXY_COUNT: "1"
+      # Offline jobs' files (the Batch API), on the web node's volume.
+      SAMPLING_FILES_DIR: /var/lib/sampling/files
     volumes:
       - ./models:/models:ro
       # The admin's database (API keys, users, policy) outlives a rebuilt container.

@@ -65,6 +65,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     # Admin login throttling: AccessAttempt rows, a 429 after AXES_FAILURE_LIMIT failures.
     "axes",
+    # Offline jobs: OpenAI's Batch API, run through the backfill lane (batching.backfill).
+    "offline.apps.OfflineConfig",
 ]
 
 MIDDLEWARE = [
@@ -272,6 +274,25 @@ SAMPLING_TOP_P = _policy_float("SAMPLING_TOP_P", "top_p")
 if SAMPLING_TOP_P <= 0:
     raise ImproperlyConfigured(f"SAMPLING_TOP_P must be above 0, got {SAMPLING_TOP_P}")
 SAMPLING_STOP = env_text("SAMPLING_STOP", _DEFAULT_POLICY.stop)
+
+# --- Offline jobs (the Batch API: offline/) -------------------------------------------------
+# Where uploaded files and jobs' outputs are kept (Django's default storage): a directory
+# every web process reaches (one volume shared by all where they run apart).
+MEDIA_ROOT = env_str("SAMPLING_FILES_DIR", str(BASE_DIR / "files"))
+# The largest file POST /v1/files takes, and the most lines a job's input may have (OpenAI's
+# own limits: 200 MB, 50,000 requests). The front ends raise their body limit for /v1/files
+# alone (deploy/nginx, deploy/k8s).
+SAMPLING_BATCH_FILE_MAX_BYTES = env_int(
+    "SAMPLING_BATCH_FILE_MAX_BYTES", 200 * 2**20, minimum=1, maximum=2**31
+)
+SAMPLING_BATCH_MAX_LINES = env_int("SAMPLING_BATCH_MAX_LINES", 50_000, minimum=1, maximum=10**7)
+# A backfill item a worker took and did not answer within this long goes back to its lane
+# (its worker died, or Redis lost its answer): far above the longest call.
+SAMPLING_BACKFILL_TAKEN_TIMEOUT_S = env_float(
+    "SAMPLING_BACKFILL_TAKEN_TIMEOUT_S", 60.0, minimum=0.1, maximum=86_400.0
+)
+# Uploads above this size go to a temporary file, not memory (Django's default: 2.5 MB).
+FILE_UPLOAD_MAX_MEMORY_SIZE = 2_621_440
 # The settings above are each queue's policy until an operator saves one in the admin
 # (operations.models.SamplingPolicy), which reaches every process within a second.
 # The batch fill the stats page's GPU-count recommendation plans for (the rest is headroom).

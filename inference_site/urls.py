@@ -12,5 +12,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     # Before the API's catch-all for unknown /v1/ paths (sampling.urls): it reads the database.
     path("v1/usage", usage_view, name="v1-usage"),
+    path("", include("offline.urls")),  # files and batches: offline jobs
     path("", include("sampling.urls")),
 ]

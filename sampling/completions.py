@@ -41,6 +41,14 @@ def completion_response(
     *,
     chat: bool,
 ) -> HttpResponse:
+    return json_response(200, completion_body(model, answers, texts, tokens, chat=chat))
+
+
+def completion_body(
+    model: str, answers: list[Answer], texts: list[str], tokens: Tokens, *, chat: bool
+) -> dict[str, Any]:
+    """A whole completion or chat completion, as OpenAI shapes it (also an offline job's
+    line's answer: offline.lines)."""
     prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
     head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
             "model": model}  # fmt: skip
@@ -61,4 +69,4 @@ def completion_response(
             }
             for index, (answer, text) in enumerate(zip(answers, texts, strict=True))
         ]
-    return json_response(200, {**head, "choices": choices, "usage": usage})
+    return {**head, "choices": choices, "usage": usage}

@@ -34,8 +34,9 @@ from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.result_store import queue_result
 from batching.topology import REDIS_FAULTS
 from workers.pipeline import BatchPipeline
-from workers.runner import BatchRunner, Result
+from workers.runner import BatchRunner
 from workers.samplers import load_sampler
+from workers.turns import Result
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +364,12 @@ class SamplingWorker:
             stats.add_counts(pipe, aggregator.queue, now, counts)
             runner.metrics.publish(pipe, aggregator.queue, now)
             aggregator.batch_log.queue_turn_ms(pipe, runner.turn_ms)
-            pipe.execute()
+            for keys in aggregator.shards:  # offline jobs' items waiting (batching.backfill)
+                pipe.llen(keys.backfill)
+            replies = pipe.execute()
+        waiting = replies[len(replies) - len(aggregator.shards) :]
+        for keys, left in zip(aggregator.shards, waiting, strict=True):
+            runner.backfill_left[keys.tag] = int(left)
         aggregator.refresh_admission(AdmissionInputs(runner.live_workers, runner.turn_ms))
 
 

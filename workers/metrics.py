@@ -82,6 +82,23 @@ class WorkerMetrics:
         self.batches = Counter(
             "sampling_batches", "Batches run", labelnames=labels, registry=self.registry
         ).labels(worker)
+        self.backfill_items = Histogram(
+            "sampling_call_backfill_items",
+            "Backfill items (offline jobs' lines) per turn of calls, whole backfill turns included",
+            buckets=(0, *BATCH_SIZE_BUCKETS),
+            labelnames=labels,
+            registry=self.registry,
+        ).labels(worker)
+        places = Counter(
+            "sampling_call_places",
+            "Places of the calls run (max batch size each), by what filled them: interactive "
+            "(requests' items), backfill (offline jobs' lines) or empty",
+            labelnames=["worker", "filled"],
+            registry=self.registry,
+        )
+        self._places = {
+            filled: places.labels(worker, filled) for filled in ("interactive", "backfill", "empty")
+        }
         self._failures = Counter(
             "sampling_batch_failures",
             "Failures of the worker's batch pipeline, by stage (workers.pipeline.Stage)",
@@ -111,6 +128,18 @@ class WorkerMetrics:
         if size > expired:
             self.sampler.observe(sampler_ms / 1000)
             self.busy.inc(sampler_ms / 1000)
+
+    def observe_backfill_call(self, sampler_ms: float) -> None:
+        """A call of backfill items only (batching.backfill): busy time, no batch."""
+        self.sampler.observe(sampler_ms / 1000)
+        self.busy.inc(sampler_ms / 1000)
+
+    def observe_places(self, *, interactive: int, backfill: int, places: int) -> None:
+        """A turn's calls' places: taken by requests' items, by backfill items, or empty."""
+        self.backfill_items.observe(backfill)
+        self._places["interactive"].inc(interactive)
+        self._places["backfill"].inc(backfill)
+        self._places["empty"].inc(max(0, places - interactive - backfill))
 
     def publish(self, pipe: redis.client.Pipeline, queue: str, now_s: float) -> None:
         """Queue this worker's exposition and its index entry on `pipe`."""

@@ -43,9 +43,10 @@ from enum import StrEnum
 
 import redis
 
-from batching.protocol import UNKNOWN_LANE
+from batching.protocol import BACKFILL_TURN, UNKNOWN_LANE
 from batching.topology import is_cluster
-from workers.runner import BatchRunner, Result, Turn
+from workers.runner import BatchRunner
+from workers.turns import Result, Turn
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class BatchPipeline:
         self._submitted = 0
         self._finished = 0
         self._closed = False
+        self._backfill_turns = 0  # backfill turns run: their ids
         # For the reporter: a sampled turn whose answers are out, or a batch that failed.
         self._reports: queue.SimpleQueue[_Report | _Resend | None] = queue.SimpleQueue()
         # A seal's hand-overs are sent by the reporter, not between the seal and the call.
@@ -223,9 +225,14 @@ class BatchPipeline:
         while True:
             with self._changed:
                 while self._waiting is None and unpublished is None and not self._closed:
+                    if self._backfill_waiting():
+                        break  # no batch waits, but offline jobs' items do
                     if not self._changed.wait(IDLE_POLICY_CHECK_S):
                         break  # idle a while: the policy is applied below
                 task, self._waiting = self._waiting, None
+                backfilling = task is None and unpublished is None and not self._closed
+                if backfilling:
+                    task = self._backfill_turn()
                 self._taken = task[0] if task else None
                 closed = self._closed
             if task is None:
@@ -247,8 +254,22 @@ class BatchPipeline:
             finally:
                 with self._changed:
                     self._taken, self._turn, self._call_started = None, None, None
-                    self._finished += 1
+                    if lane != BACKFILL_TURN:  # a backfill turn is none of Celery's tasks
+                        self._finished += 1
                     self._changed.notify_all()
+
+    def _backfill_waiting(self) -> bool:
+        return any(left > 0 for left in self.runner.backfill_left.values())
+
+    def _backfill_turn(self) -> tuple[str, int] | None:
+        """A turn for an idle GPU (id, BACKFILL_TURN) on a shard whose backfill lane holds
+        items, in turn over the shards; None when none is known to."""
+        shards = [tag for tag, left in self.runner.backfill_left.items() if left > 0]
+        if not shards:
+            return None
+        self._backfill_turns += 1
+        tag = shards[self._backfill_turns % len(shards)]
+        return f"{{{tag}}}backfill-{self._backfill_turns}", BACKFILL_TURN
 
     def _apply_policy(self) -> None:
         """An idle GPU takes a new policy (or refuses it) now, not at its next batch: its
@@ -296,6 +317,8 @@ class BatchPipeline:
         )
 
     def _publish(self, batch_id: str, answers: list[Result]) -> None:
+        if not answers:  # a turn of backfill items only: no batch's members wait
+            return
         with (
             self._failure_of(batch_id, Stage.PUBLISH),
             self.runner.aggregator.client.pipeline(transaction=False) as pipe,
@@ -322,7 +345,7 @@ class BatchPipeline:
         # shard): the answers go first, so that a master down elsewhere cannot keep them from
         # their batch's own.
         with self.runner.aggregator.client.pipeline(transaction=False) as pipe:
-            if report.publish:
+            if report.publish and outcome.interactive:
                 self._queue_answers(pipe, batch_id, outcome.answers)
                 if self._cluster:
                     pipe.execute()

@@ -13,23 +13,25 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 
 import redis
 
-from batching import cache, ratelimit, stats
+from batching import backfill, cache, ratelimit, stats
 from batching.admission import AdmissionInputs
 from batching.aggregator import BatchAggregator
-from batching.answers import Answer, WireAnswer, to_wire
+from batching.answers import Answer
+from batching.backfill import NO_KEY, BackfillItem
 from batching.deltas import STREAM_INTERVAL_MS
-from batching.generation import Completion, Row
-from batching.items import Item, SealedBatch
+from batching.generation import Row
+from batching.items import Item
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
-from batching.protocol import UNKNOWN_LANE
+from batching.protocol import BACKFILL_TURN, UNKNOWN_LANE
 from workers.deltas import DeltaPublisher
 from workers.metrics import WorkerMetrics
-from workers.samplers.base import PromptRejected, RowFailed, Sampler
+from workers.samplers.base import PromptRejected, Sampler
+from workers.turns import QUEUE_TIMES_EVERY_S, Result, Turn, answer_of, record_of, statistics_of
 
 log = logging.getLogger(__name__)
 
@@ -39,87 +41,6 @@ ESTIMATE_WEIGHT = 0.3
 # problem (a prompt, a bug), three in a row the GPU's (its memory, its driver), and the worker
 # leaves admission (workers.lifecycle) rather than fail every batch it is given.
 FAILED_CALLS_UNHEALTHY = 3
-
-# One item's answer as it leaves the worker (batching.answers: the wire format).
-Result = WireAnswer
-
-
-# A worker sends its items' queue times to the statistics with a heartbeat this often: a
-# second's items span a few dozen histogram buckets, a HINCRBY each and per granularity,
-# which every second would add a few percent to Redis's commands per request.
-QUEUE_TIMES_EVERY_S = 10.0
-
-# Items whose call never took them: they waited no queue time.
-_NOT_CALLED = (ItemOutcome.EXPIRED, ItemOutcome.CANCELLED)
-
-
-def _queue_times_ms(
-    items: list[Item], results: list[Answer], policy: Policy, call_started_ms: int | None
-) -> list[float]:
-    """Each called item's queue time: from its request's arrival (its deadline less the
-    policy's deadline, which its web process counted from the arrival) to its call's start,
-    both by the Redis node's clock. A turn of several calls counts from its first."""
-    if call_started_ms is None:
-        return []
-    return [
-        max(0.0, call_started_ms - (item.deadline_ms - policy.deadline_ms))
-        for item, answer in zip(items, results, strict=True)
-        if answer.outcome not in _NOT_CALLED
-    ]
-
-
-def _answer(item: Item, completion: Completion | PromptRejected) -> Answer:
-    if isinstance(completion, RowFailed):
-        return Answer(ItemOutcome.ERROR, str(completion) or "the sampler failed for this prompt")
-    if isinstance(completion, PromptRejected):
-        return Answer(ItemOutcome.PROMPT_REJECTED, str(completion) or "prompt rejected")
-    if item.request is None and not item.key_id:  # an anonymous /sample answer: the text alone
-        return Answer(ItemOutcome.OK, completion.text)
-    # An API answer, or a keyed /sample one: with its tokens (what its key is charged for).
-    return Answer(
-        ItemOutcome.OK,
-        completion.text,
-        str(completion.finish_reason),
-        completion.prompt_tokens,
-        completion.completion_tokens,
-    )
-
-
-@dataclass
-class Turn:
-    """One batch's turn on the GPU: sealed (`begin`), sampled (`sample`), then reported."""
-
-    batch_id: str
-    sealed: SealedBatch
-    policy: Policy
-    results: dict[int, Answer]  # by item index; every index once sampled
-    chunks: list[list[int]]  # the live items' indexes, one list per sampler call
-    began: float  # perf_counter when the seal started
-    called: float = 0.0  # perf_counter when its first sampler call started (0: none)
-    sampler_ms: float = 0.0
-    ended: float = 0.0  # perf_counter when the last call returned
-    # API key id (0: anonymous) -> (prompt tokens, completion tokens) of its items sampled:
-    # the queue's sampled tokens (statistics), and the completion tokens charged to the keys'
-    # token rate windows, when the turn is reported. A key's usage (billing) is what its 200
-    # answers delivered, counted by the web processes (batching/stats.py).
-    tokens_by_key: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # The policy as the sampler ran it (its generation settings, should it have refused the
-    # policy's): the response cache stores the turn's answers under its digest.
-    ran: Policy | None = None
-
-    @property
-    def in_order(self) -> list[Answer]:
-        return [self.results[index] for index in range(len(self.sealed.items))]
-
-    @property
-    def answers(self) -> list[Result]:
-        """Every item's answer, in order, as they leave the worker."""
-        return to_wire(self.in_order)
-
-    def answers_failing_the_rest(self, reason: str) -> list[Result]:
-        """Every item's answer, an error for the items not answered yet (a call cut off)."""
-        failed = Answer(ItemOutcome.ERROR, reason)
-        return to_wire(self.results.get(index, failed) for index in range(len(self.sealed.items)))
 
 
 class BatchRunner:
@@ -175,6 +96,9 @@ class BatchRunner:
         self._queue_times: Counter[str] = Counter()
         self._queue_times_lock = threading.Lock()
         self._queue_times_taken_at = 0.0
+        # Backfill items each shard's lane held at the last look (a seal's, or the
+        # heartbeat's): a seal takes backfill only while its shard's is above 0.
+        self.backfill_left: dict[str, int] = {}
         self.busy_since: float | None = None  # monotonic time the running call started
         self.failed_calls = 0  # sampler calls failed in a row
         self.unhealthy_after = FAILED_CALLS_UNHEALTHY  # SAMPLING_UNHEALTHY_AFTER_FAILED_CALLS
@@ -250,14 +174,22 @@ class BatchRunner:
         one more call cannot meet. None when there was nothing left to seal."""
         began = time.perf_counter()
         policy = self.apply_policy()
-        sealed = self.aggregator.seal(batch_id, self.admission_inputs(), lane=lane)
-        self.sealed_at[self.aggregator.shard_of(batch_id).tag] = time.monotonic()
+        tag = self.aggregator.shard_of(batch_id).tag
+        # The places a batch may take from the backfill lane: only while the shard's lane is
+        # known to hold items (the last seal's or heartbeat's count), so that a queue without
+        # offline jobs seals as it always did.
+        places = policy.max_batch_size if self.backfill_left.get(tag) else 0
+        sealed = self.aggregator.seal(batch_id, self.admission_inputs(), lane=lane, places=places)
+        if places:
+            self.backfill_left[tag] = sealed.backfill_left
+        self.sealed_at[tag] = time.monotonic()
         if sealed.handovers:
             self.on_handovers(sealed.handovers)
         if sealed.sealed_before:
-            log.info("batch %s was sealed by an earlier task: nothing to run", batch_id)
+            if lane != BACKFILL_TURN:
+                log.info("batch %s was sealed by an earlier task: nothing to run", batch_id)
             return None
-        batch_id = sealed.batch_id
+        batch_id = sealed.batch_id or batch_id  # a backfill turn's own id, when it took none
         # One more call must end before the item's deadline, or the item is dropped now and
         # the sampler never sees it.
         cutoff = sealed.now_ms + self.estimate_ms
@@ -277,9 +209,11 @@ class BatchRunner:
         # A batch opened under a larger max batch size than the policy's now (just lowered)
         # runs as several calls of at most the new size.
         size = policy.max_batch_size
+        backfill = [BackfillItem.parse(raw) for raw in sealed.backfill]
+        live += range(len(sealed.items), len(sealed.items) + len(backfill))  # the places left
         chunks = [live[start : start + size] for start in range(0, len(live), size)]
         ran = replace(policy, **asdict(self.sampler.generation))
-        return Turn(batch_id, sealed, policy, results, chunks, began, ran=ran)
+        return Turn(batch_id, sealed, policy, results, chunks, began, ran=ran, backfill=backfill)
 
     def _cancelled(self, batch_id: str) -> set[int]:
         """The indexes of the batch's items whose streaming client left (one round trip)."""
@@ -295,7 +229,7 @@ class BatchRunner:
             turn.called = time.perf_counter()
         for chunk in turn.chunks:
             turn.sampler_ms += self._sample(
-                turn.batch_id, turn.sealed.items, chunk, turn.results, turn.tokens_by_key
+                turn.batch_id, turn.items, chunk, turn.results, turn.tokens_by_key
             )
         turn.ended = time.perf_counter()
 
@@ -347,7 +281,7 @@ class BatchRunner:
                     f"sampler returned {len(completions)} completions for {len(rows)} prompts"
                 )
             for index, completion in zip(called, completions, strict=True):
-                results[index] = _answer(items[index], completion)
+                results[index] = answer_of(items[index], completion)
                 if not isinstance(completion, PromptRejected):
                     key_id = items[index].key_id
                     prompt, sampled = tokens_by_key.get(key_id, (0, 0))
@@ -398,61 +332,45 @@ class BatchRunner:
 
     def _record(self, turn: Turn, pipe: redis.client.Pipeline | None) -> None:
         batch_id, sealed, policy = turn.batch_id, turn.sealed, turn.policy
-        results, sampler_ms, calls = turn.in_order, turn.sampler_ms, len(turn.chunks)
-        counts = Counter(answer.outcome for answer in results)
-        expired = counts[ItemOutcome.EXPIRED]
-        queue_wait_ms = sealed.now_ms - sealed.opened_at_ms if sealed.opened_at_ms >= 0 else None
-        call_started_ms = (
-            sealed.now_ms + round((turn.called - turn.began) * 1000) if turn.called else None
-        )
-        queue_times_ms = _queue_times_ms(sealed.items, results, policy, call_started_ms)
-        record = {
-            "batch_id": batch_id,
-            "lane": sealed.lane,
-            "worker": self.worker,
-            "size": len(results),
-            "sampled": len(results) - expired - counts[ItemOutcome.CANCELLED],
-            **{str(outcome): counts[outcome] for outcome in ItemOutcome},
-            "queue_wait_ms": queue_wait_ms,
-            "sampler_ms": round(sampler_ms, 2),
-            "sealed_at_ms": sealed.now_ms,
-            # When its call started, by the Redis node's clock as the seal's time is: what a
-            # stream's time to first token counts from.
-            "call_started_ms": call_started_ms,
-            "policy_version": policy.version,
-            "max_batch_size": policy.max_batch_size,
-        }
+        results = turn.in_order
+        record = record_of(turn, self.worker)
+        queue_times_ms = turn.queue_times_ms(record["call_started_ms"])
         with self._queue_times_lock:
             self._queue_times.update(stats.queue_time_counts(queue_times_ms))
-        self.metrics.observe_batch(
-            size=len(results), expired=expired, queue_wait_ms=queue_wait_ms,
-            sampler_ms=sampler_ms, queue_times_ms=queue_times_ms,
-        )  # fmt: skip
-        statistics = stats.batch_counts(
-            worker=self.worker,
-            size=len(results),
-            expired=expired,
-            queue_wait_ms=queue_wait_ms,
-            sampler_ms=sampler_ms,
-            calls=calls,
-            max_batch_size=policy.max_batch_size,
-        )
-        statistics[stats.SAMPLED_PROMPT_TOKENS] = sum(p for p, _ in turn.tokens_by_key.values())
-        statistics[stats.SAMPLED_COMPLETION_TOKENS] = sum(c for _, c in turn.tokens_by_key.values())
-        charges = {key_id: tokens[1] for key_id, tokens in turn.tokens_by_key.items()}
+        if turn.interactive:
+            self.metrics.observe_batch(
+                size=len(results), expired=record["expired"],
+                queue_wait_ms=record["queue_wait_ms"], sampler_ms=turn.sampler_ms,
+                queue_times_ms=queue_times_ms,
+            )  # fmt: skip
+        elif turn.chunks:
+            self.metrics.observe_backfill_call(turn.sampler_ms)
+        if turn.chunks:
+            self.metrics.observe_places(
+                interactive=record["sampled"], backfill=len(turn.backfill),
+                places=policy.max_batch_size * len(turn.chunks),
+            )  # fmt: skip
+        statistics = statistics_of(turn, self.worker)
+        charges = {  # a backfill item's tokens are its job's, in no key's rate window
+            key_id: tokens[1] for key_id, tokens in turn.tokens_by_key.items() if key_id != NO_KEY
+        }
         cached = self._cached_answers(sealed.items, results, turn.ran or policy)
         cache_ttl_ms = policy.response_cache_ttl_s * 1000
         now_s = time.time()
         # The statistics' time is the Redis node's (its time at the seal, and the turn since),
         # as the web processes' flushes are: one clock for every minute, whatever this one says.
         at_s = sealed.now_ms / 1000 + (time.perf_counter() - turn.began)
+        keys = self.aggregator.shard_of(batch_id)
+        backfilled = (turn.sealed.backfill, turn.backfill, turn.backfill_answers)
         if pipe is not None:
+            backfill.queue_answers(pipe, keys, *backfilled)
             self.aggregator.batch_log.queue_record(pipe, json.dumps(record), statistics, at_s)
             ratelimit.queue_token_charges(pipe, charges, now_s)
             self.aggregator.queue_cached_answers(pipe, cached, cache_ttl_ms)
             return
         try:
             with self.aggregator.client.pipeline(transaction=False) as own:
+                backfill.queue_answers(own, keys, *backfilled)
                 self.aggregator.batch_log.queue_record(own, json.dumps(record), statistics, at_s)
                 ratelimit.queue_token_charges(own, charges, now_s)
                 self.aggregator.queue_cached_answers(own, cached, cache_ttl_ms)

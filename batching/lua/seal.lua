@@ -21,19 +21,28 @@
 -- for a hand-over (it sends their tasks again): under load, no other round trip is needed for
 -- either.
 --
+-- With `places` > 0, the seal tops its batch up from the backfill lane (batching.backfill)
+-- into the places its items leave empty, up to `places` in all; a backfill turn (lane
+-- {{BACKFILL_TURN}}: a worker whose GPU would be idle) seals as a task whose batch was taken
+-- over does, and with no batch to take, takes a whole batch of backfill items.
+--
 -- KEYS[1]: lanes (zset), KEYS[2]: hand-over due (zset), KEYS[3]: admission (hash),
--- KEYS[4]: sent (zset), KEYS[5]: taken over (zset)
+-- KEYS[4]: sent (zset), KEYS[5]: taken over (zset), KEYS[6]: backfill (list),
+-- KEYS[7]: backfill taken (zset)
 -- ARGV[1]: the task's batch id, ARGV[2]: batch key prefix, ARGV[3]: held suffix,
 -- ARGV[4]: workers, ARGV[5]: turn ms, ARGV[6]: shards, ARGV[7]: window ms,
 -- ARGV[8]: inputs ttl ms, ARGV[9]: dispatch grace ms, ARGV[10]: hand-overs at most,
 -- ARGV[11]: ttl ms, ARGV[12]: shard prefix, ARGV[13]: the task's lane (-1: not known),
 -- ARGV[14]: exact (1: that batch or none), ARGV[15]: hold ms,
--- ARGV[16]: clock ms (optional: a test sets the time; absent or '', the node's TIME)
+-- ARGV[16]: places (the batch's, backfill included; 0: no backfill),
+-- ARGV[17]: clock ms (optional: a test sets the time; absent or '', the node's TIME)
 -- Returns {now ms, opened-at ms (or -1), the sealed batch's id ('' for none), its lane (-1 for
--- none), number of hand-overs h, h batch ids due for a hand-over, items...}.
+-- none), number of hand-overs h, h batch ids due for a hand-over, number of backfill items b,
+-- backfill items left in the lane, items..., b backfill items}.
 -- #include common
 
 local LANES, DUE, ADMISSION, SENT, TAKEN_OVER = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local BACKFILL, BACKFILL_TAKEN = KEYS[6], KEYS[7]
 
 -- Each lane's open batch {id, opened ms, max size} and oldest closed batch still worth a
 -- call (its newest item can be answered after one more turn); the lane of the task's own
@@ -173,10 +182,11 @@ end
 
 local batch_prefix, held, prefix = ARGV[2], ARGV[3], ARGV[12]
 local turn_ms, ttl, hold = tonumber(ARGV[5]), tonumber(ARGV[11]), tonumber(ARGV[15])
-local now = now_ms(ARGV[16])
+local now = now_ms(ARGV[17])
 local stale = now - ttl
 local task = {bid = ARGV[1], exact = ARGV[14] == '1'}
 local task_lane = tonumber(ARGV[13])
+local backfill_turn = task_lane == {{BACKFILL_TURN}}
 if task_lane > 0 then redis.call('ZADD', LANES, now, task_lane) end
 local lanes = lanes_of(prefix, now, {{LANE_KEEP_TTLS}} * ttl)
 local opens, oldest
@@ -185,7 +195,7 @@ opens, oldest, task.lane, task.open = survey(prefix, lanes, batch_prefix, task.b
 
 local lane = task.lane
 local taken_over = not task.lane and redis.call('ZREM', TAKEN_OVER, task.bid) == 1
-if not task.exact and (task.lane or taken_over) then
+if not task.exact and (task.lane or taken_over or backfill_turn) then
   local claimed = ready_lane(lanes, opens, oldest, now, hold)
   count_shares(lanes, claimed, now)
   lane = claimed or largest_open_lane(prefix, lanes, opens)
@@ -206,7 +216,18 @@ end
 refresh_admission(prefix, lanes, ADMISSION, now)
 local due = take_due(DUE, prefix, lanes, SENT, batch_prefix, now, tonumber(ARGV[9]),
                      tonumber(ARGV[10]))
+-- The backfill lane fills the places left: of the batch taken, or of a backfill turn's own.
+local backfill, left = {}, 0
+local places = tonumber(ARGV[16]) - #items
+if places > 0 and not task.exact and (chosen or backfill_turn) then
+  backfill = redis.call('LPOP', BACKFILL, places) or {}
+  for _, item in ipairs(backfill) do redis.call('ZADD', BACKFILL_TAKEN, now, item) end
+  left = redis.call('LLEN', BACKFILL)
+end
 local reply = {now, opened_at, chosen or '', lane or -1, #due}
 for _, due_bid in ipairs(due) do table.insert(reply, due_bid) end
+table.insert(reply, #backfill)
+table.insert(reply, left)
 for _, item in ipairs(items) do table.insert(reply, item) end
+for _, item in ipairs(backfill) do table.insert(reply, item) end
 return reply

@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from openai import OpenAI
 
 from batching.generation import Completion, Row, RowSettings
 from inference_site.lib.stack import Stack
+from tests.support.batches import ended, jsonl, keyed_client, records
 from tests.support.http import sample
 from tests.support.worker import worker_output_at_exit
 from workers.samplers.base import GenerationSettings
@@ -24,8 +26,11 @@ CONTEXT_TOKENS = 8192  # SmolLM2-135M
 
 
 @pytest.fixture(scope="module")
-def model_service(start_stack: Callable[..., Stack]) -> Iterator[Stack]:
+def model_service(
+    start_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
     env = {
+        "SAMPLING_FILES_DIR": str(tmp_path_factory.mktemp("files")),  # offline jobs' files
         "SAMPLER": "hf",
         "SAMPLING_MODEL": "",  # the packaged GGUF
         "SAMPLING_MAX_NEW_TOKENS": "8",
@@ -144,3 +149,31 @@ def test_streamed_answers_equal_whole_ones_in_a_mixed_batch(model_service: Stack
         answers = [(w.result(), s.result()) for w, s in zip(wholes, streams, strict=True)]
     assert all(w == s for w, s in answers), answers
     assert any(w for w, _ in answers)
+
+
+def test_a_batch_of_smollm2_lines_answers_as_requests_do(model_service: Stack) -> None:
+    """The Batch API with the real model: each line's answer is the one the same request gets
+    interactively, for the same seed and settings."""
+    client = keyed_client(model_service)
+    client = client.with_options(timeout=120)
+    model = model_service.env["SAMPLING_QUEUE"]
+    prompts = ["Le café est", "日本の首都は", "Once upon a time", "E equals "]
+    bodies: list[dict[str, Any]] = [
+        {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.9,
+         "seed": 11 + index, "stop": [".", "\n\n"]}
+        for index, prompt in enumerate(prompts)
+    ]  # fmt: skip
+    lines = [{"custom_id": f"smol-{i}", "method": "POST", "url": "/v1/completions", "body": body}
+             for i, body in enumerate(bodies)]  # fmt: skip
+    uploaded = client.files.create(file=("smol.jsonl", jsonl(lines)), purpose="batch")
+    job = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                completion_window="24h")  # fmt: skip
+    done = ended(client, job.id, timeout_s=240)
+    assert done.status == "completed", done
+    output = {r["custom_id"]: r["response"]["body"] for r in records(client, done.output_file_id)}
+    for index, body in enumerate(bodies):
+        interactive = client.completions.create(
+            model=model, prompt=body["prompt"], max_tokens=8, temperature=0.9,
+            seed=body["seed"], stop=body["stop"],
+        )  # fmt: skip
+        assert output[f"smol-{index}"]["choices"][0]["text"] == interactive.choices[0].text

@@ -32,8 +32,8 @@ from operations import dashboard
 from tests.support.http import request
 from tests.support.ingress_nginx import IngressNginx
 from tests.support.waiting import wait_until
-from workers.runner import QUEUE_TIMES_EVERY_S
 from workers.samplers.simulated import expected_completion
+from workers.turns import QUEUE_TIMES_EVERY_S
 
 pytestmark = pytest.mark.integration
 

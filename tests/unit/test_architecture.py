@@ -10,7 +10,10 @@ import grimp
 
 from inference_site.lib.stack import ROOT
 
-PACKAGES = ("batching", "sampling", "workers", "operations", "planning", "inference_site", "bench")
+PACKAGES = (
+    "batching", "sampling", "workers", "operations", "offline", "planning", "inference_site",
+    "bench",
+)  # fmt: skip
 
 
 def strongly_connected(graph: grimp.ImportGraph) -> list[set[str]]:

@@ -8,7 +8,10 @@ from pathlib import Path
 
 from inference_site.lib.stack import ROOT
 
-PACKAGES = ("batching", "sampling", "workers", "operations", "planning", "inference_site", "bench")
+PACKAGES = (
+    "batching", "sampling", "workers", "operations", "offline", "planning", "inference_site",
+    "bench",
+)  # fmt: skip
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 MAX_AGGREGATOR_LINES = 450

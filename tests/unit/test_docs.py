@@ -270,10 +270,13 @@ def _routes() -> set[str]:
                 found |= walk(pattern.url_patterns, prefix + str(pattern.pattern))
             elif isinstance(pattern, URLResolver | URLPattern):
                 route = str(pattern.pattern).lstrip("^").rstrip("$")
-                found.add("/" + prefix + re.sub(r"\(\?P<(\w+)>[^)]*\)", r"{\1}", route))
+                route = re.sub(r"\(\?P<(\w+)>[^)]*\)", r"{\1}", route)  # a regex's group
+                found.add("/" + prefix + re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", route))  # a path's
         return found
 
-    return {route.replace("{model_id}", "{id}") for route in walk(get_resolver().url_patterns, "")}
+    # The docs name any object's id {id}: /v1/models/{id}, /v1/files/{id}, /v1/batches/{id}.
+    routes = walk(get_resolver().url_patterns, "")
+    return {re.sub(r"\{\w+_id\}", "{id}", route) for route in routes}
 
 
 def _endpoint_tables(text: str) -> set[str]:

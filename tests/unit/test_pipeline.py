@@ -19,12 +19,15 @@ import redis
 from prometheus_client import generate_latest
 
 from batching.aggregator import HELD_SUFFIX, BatchAggregator
+from batching.backfill import Backfill, BackfillItem
+from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome
 from tests.support import unique_queue
 from tests.support.waiting import wait_until
 from workers.pipeline import BatchPipeline
-from workers.runner import BatchRunner, Result
+from workers.runner import BatchRunner
 from workers.samplers.base import PromptRejected, Sampler
+from workers.turns import Result
 
 
 class TimedSampler(Sampler):
@@ -267,3 +270,31 @@ def test_a_batch_that_cannot_be_sealed_is_answered_logged_and_counted_once(
     h.pipeline.submit(h.next_batch("after"))  # its seal takes the oldest batch first
     ((_, answers),) = h.published(1)
     assert answers == [[ItemOutcome.OK, "LOST"]]
+
+
+def test_an_idle_gpu_runs_backfill_and_a_batch_waits_at_most_one_call(
+    harness: MakeHarness,
+) -> None:
+    """Offline jobs' items run in whole batches while no task comes; a batch that comes
+    meanwhile waits for the running call only, and its members' answers publish as ever."""
+    h = harness(call_s=0.05)
+    lanes = Backfill(h.client, h.aggregator.shards)
+    lanes.push(BackfillItem("job", line, SampleRequest(prompt=f"offline {line}"))
+               for line in range(1000))  # fmt: skip
+    h.runner.backfill_left[h.aggregator.shards[0].tag] = 1000  # as a heartbeat tells it
+    wait_until(lambda: len(h.sampler.calls) >= 2, 5, "backfill calls")
+    batch_id = h.next_batch("asked")
+    calls_before = len(h.sampler.calls)  # the last of them may be running
+    h.pipeline.submit(batch_id)
+    assert h.published(1)[0] == (batch_id, [[ItemOutcome.OK, "ASKED"]])
+    with_it = [i for i, (prompts, _, _) in enumerate(h.sampler.calls) if "asked" in prompts]
+    # In the call after the one running when it came (one more if a call started between
+    # the count and the submit), topped up with backfill.
+    assert len(with_it) == 1
+    assert with_it[0] <= calls_before + 1
+    assert len(h.sampler.calls[with_it[0]][0]) == 100
+    wait_until(lambda: lanes.depth() == (0, 0), 10, "the lane emptied")
+    found, _ = lanes.collect(2000)
+    assert sorted(done.line for done in found) == list(range(1000))  # each once
+    assert all(len(prompts) <= 100 for prompts, _, _ in h.sampler.calls)
+    assert [batch for batch, _ in h.published(1, timeout_s=0)] == [batch_id]  # nothing else

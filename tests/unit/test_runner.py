@@ -11,8 +11,11 @@ from prometheus_client import generate_latest
 
 from batching import stats
 from batching.aggregator import BatchAggregator
+from batching.backfill import Backfill, BackfillItem
+from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
+from batching.protocol import BACKFILL_TURN
 from tests.support import unique_queue
 from workers.runner import BatchRunner
 from workers.samplers.base import GenerationSettings, PromptRejected, Sampler
@@ -244,3 +247,37 @@ def test_a_worker_that_cannot_say_goodbye_says_why(
     with caplog.at_level("WARNING", logger="workers.lifecycle"):
         say_goodbye(BatchRunner(dead, RecordingSampler(), "w"))
     assert any("leaves without saying so" in r.getMessage() for r in caplog.records)
+
+
+def test_backfill_rides_in_the_places_left_and_answers_to_the_feeder(
+    aggregator: BatchAggregator,
+) -> None:
+    """The batch's own items answer its members as ever; the backfill items its seal took
+    share the call, and their answers go to the lane's done list, not to the batch."""
+    sampler = RecordingSampler()
+    runner = BatchRunner(aggregator, sampler, "w")
+    lanes = Backfill(aggregator.client, aggregator.shards)
+    lanes.push(BackfillItem("job", line, SampleRequest(prompt=f"offline {line}"))
+               for line in range(150))  # fmt: skip
+    runner.backfill_left[aggregator.shards[0].tag] = 150  # as a heartbeat would tell it
+    tickets = [aggregator.append(f"asked {i}", 500) for i in range(10)]
+    results = run(runner, tickets[0].batch_id)
+    assert results == [[ItemOutcome.OK, f"ASKED {i}"] for i in range(10)]
+    assert sampler.calls == [[f"asked {i}" for i in range(10)]
+                             + [f"offline {line}" for line in range(90)]]  # fmt: skip
+    record = json.loads(aggregator.batch_log.recent(1)[0])
+    assert (record["size"], record["backfill"]) == (10, 90)
+    found, _ = lanes.collect(1000)
+    assert [(d.line, d.answer.text) for d in found] == [(n, f"OFFLINE {n}") for n in range(90)]
+    assert lanes.depth() == (60, 0)
+    assert runner.backfill_left[aggregator.shards[0].tag] == 60
+
+    # With no batch waiting, a backfill turn runs the rest alone: no answers to publish.
+    turn = runner.begin(aggregator.shards[0].batch_id("backfill-1"), BACKFILL_TURN)
+    assert turn is not None
+    assert not turn.interactive
+    runner.sample(turn)
+    runner.finish(turn)
+    assert turn.answers == []
+    assert lanes.depth() == (0, 0)
+    assert len(lanes.collect(1000)[0]) == 150

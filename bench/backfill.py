@@ -1,0 +1,180 @@
+"""Offline jobs beside requests: what a job costs them, and how much of the empty places it fills.
+
+    .venv/bin/python -m bench backfill [--rounds 5] [--seconds 10] [--max-batch 100]
+
+One simulated GPU (100 ms calls of up to `--max-batch`: a limit of max-batch x 10 requests a
+second) behind two gevent web processes, on an embedded Redis, with a database of its own.
+At each load (0, 10, 50, 90 and 100% of the limit), `--seconds` of open-loop Poisson
+requests to /sample, once without a job and once while a job of `--job-lines` chat lines
+(50,000) runs, in alternating order round after round; the job is created (and validated,
+and its lanes fed) before the window opens, and cancelled after it. Per load, medians over
+the rounds:
+
+- interactive goodput (200s a second) and latency p50/p99, without and with the job;
+- the job's lines answered a second during the window (its `request_counts`);
+- the places of the calls run (max batch size each) filled by requests, by the job, and
+  empty (the workers' `sampling_call_places_total`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from batching.outcomes import RequestOutcome
+from bench.harness import loadgen
+from bench.harness.machine import describe_machine
+from bench.harness.report import markdown_table
+from bench.harness.stack import make_api_keys, new_queue, simulated_env, simulated_stack
+from bench.harness.stats import median
+from bench.harness.trees import in_turn
+from inference_site.lib.embedded_redis import EmbeddedRedis
+from inference_site.lib.stack import Stack
+from workers.samplers.simulated import expected_completion
+
+CALL_MS = 100
+LOADS = (0.0, 0.1, 0.5, 0.9, 1.0)
+FILLED = ("interactive", "backfill", "empty")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per window, default 10")
+    parser.add_argument("--max-batch", type=int, default=100, help="default 100")
+    parser.add_argument("--job-lines", type=int, default=50_000, help="default 50,000")
+
+
+def _places(stack: Stack) -> dict[str, float]:
+    """The workers' places so far, by what filled them."""
+    body = loadgen_get(stack, "/metrics")
+    found = dict.fromkeys(FILLED, 0.0)
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if sample.name == "sampling_call_places_total":
+                found[sample.labels["filled"]] += sample.value
+    return found
+
+
+def loadgen_get(stack: Stack, path: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{stack.base_url}{path}", timeout=10) as answer:  # noqa: S310
+        return str(answer.read().decode())
+
+
+def _job(client: OpenAI, model: str, lines: int, tag: str) -> str:
+    """A job created and under way (validated, its first items taken); its id."""
+    content = b"".join(
+        json.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": model, "max_tokens": 16, "seed": i,
+                             "messages": [{"role": "user", "content": f"{tag} {i}"}]}}).encode()
+        + b"\n"
+        for i in range(lines)
+    )  # fmt: skip
+    uploaded = client.files.create(file=("job.jsonl", io.BytesIO(content)), purpose="batch")
+    job = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                completion_window="24h")  # fmt: skip
+    deadline = time.monotonic() + 120
+    while _answered(client, job.id) == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return job.id
+
+
+def _answered(client: OpenAI, job_id: str) -> int:
+    counts = client.batches.retrieve(job_id).request_counts
+    return counts.completed + counts.failed if counts else 0
+
+
+def _window(
+    stack: Stack, client: OpenAI, args: argparse.Namespace, load: float, job: bool, tag: str
+) -> dict[str, float]:
+    limit = args.max_batch * 1000 / CALL_MS
+    job_id = _job(client, stack.env["SAMPLING_QUEUE"], args.job_lines, tag) if job else ""
+    answered, places = (_answered(client, job_id) if job else 0), _places(stack)
+    started = time.monotonic()
+    if load:
+        results = loadgen.run(
+            "127.0.0.1", stack.port or 0, "/sample", limit * load, args.seconds,
+            lambda i: f"{tag} {i}", expected_completion, client_timeout_s=3.0,
+        )  # fmt: skip
+    else:
+        time.sleep(args.seconds)  # duration: the window with no requests
+    elapsed = time.monotonic() - started
+    after = _places(stack)
+    figures = {name: after[name] - places[name] for name in FILLED}
+    if job:
+        figures["job_rps"] = (_answered(client, job_id) - answered) / elapsed
+        client.batches.cancel(job_id)
+    if load:
+        wrong = results.count(loadgen.WRONG)
+        if wrong:
+            raise RuntimeError(f"{wrong} requests got someone else's completion")
+        figures["goodput"] = results.goodput_rps
+        figures["p50"] = results.percentile_ms(50, RequestOutcome.OK)
+        figures["p99"] = results.percentile_ms(99, RequestOutcome.OK)
+    return figures
+
+
+def main(args: argparse.Namespace) -> None:
+    print(describe_machine(), flush=True)
+    server = EmbeddedRedis().start()
+    files = Path(tempfile.mkdtemp(prefix="bench-backfill-"))
+    env = simulated_env(server.url, new_queue("backfill"), call_ms=CALL_MS,
+                        max_batch=args.max_batch, SAMPLING_FILES_DIR=str(files))  # fmt: skip
+    stack = simulated_stack(env, [None])
+    runs: dict[tuple[float, bool], list[dict[str, float]]] = {}
+    try:
+        stack.start(timeout_s=120)
+        key = make_api_keys(stack, {"bench-backfill": []})["bench-backfill"]
+        client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0,
+                        timeout=120)  # fmt: skip
+        for round_index in range(args.rounds):
+            for load in LOADS:
+                for job in in_turn((False, True), round_index + int(load * 10)):
+                    tag = f"r{round_index}-{load}-{int(job)}"
+                    figures = _window(stack, client, args, load, job, tag)
+                    runs.setdefault((load, job), []).append(figures)
+                    shown = "  ".join(f"{k} {v:.1f}" for k, v in figures.items())
+                    print(f"  round {round_index + 1} load {load:.0%} job {job}: {shown}",
+                          flush=True)  # fmt: skip
+    finally:
+        stack.stop()
+        server.stop()
+    print(f"\n{_table(runs, args)}")
+
+
+def _table(runs: dict[tuple[float, bool], list[dict[str, float]]], args: argparse.Namespace) -> str:
+    def of(load: float, job: bool, name: str) -> float:
+        values = [run[name] for run in runs.get((load, job), []) if name in run]
+        return median(values) if values else float("nan")
+
+    def share(load: float, name: str) -> str:
+        total = sum(of(load, True, filled) for filled in FILLED)
+        return f"{100 * of(load, True, name) / total:.0f}%" if total else "-"
+
+    rows: list[list[Any]] = []
+    number: Callable[[float], str] = lambda value: "-" if value != value else f"{value:,.1f}"  # noqa: E731
+    for load in LOADS:
+        rows.append([
+            f"{load:.0%}", number(of(load, False, "goodput")), number(of(load, True, "goodput")),
+            number(of(load, False, "p50")), number(of(load, True, "p50")),
+            number(of(load, False, "p99")), number(of(load, True, "p99")),
+            number(of(load, True, "job_rps")), *(share(load, name) for name in FILLED),
+        ])  # fmt: skip
+    limit = args.max_batch * 1000 / CALL_MS
+    title = (
+        f"One simulated GPU, {CALL_MS} ms calls of up to {args.max_batch} (limit {limit:g}/s); "
+        f"medians of {args.rounds} rounds of {args.seconds:g} s windows"
+    )
+    header = ["load", "goodput/s", "with job", "p50 ms", "with job", "p99 ms", "with job",
+              "job lines/s", "places: requests", "job", "empty"]  # fmt: skip
+    return f"{title}\n\n{markdown_table(header, rows)}\n"

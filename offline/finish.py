@@ -1,0 +1,69 @@
+"""A job's end: its output file (the lines answered 200) and error file (every other line)
+written in OpenAI's shape, one line per custom_id, in the input's order; its status
+completed, cancelled or expired. A line never answered (the job cancelled or expired first)
+goes to the error file with the job's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from django.core.files.base import ContentFile
+from django.db import transaction
+from django.utils import timezone
+
+from offline.models import Job, JobLine, Purpose, Status, StoredFile
+
+# Why a line has no answer, by the job's end.
+UNANSWERED = {
+    Status.CANCELLED: ("batch_cancelled", "the batch was cancelled before this request ran"),
+    Status.EXPIRED: ("batch_expired", "the batch expired before this request ran"),
+    Status.COMPLETED: ("batch_failed", "this request was never answered"),
+}
+
+
+def finalize(job: Job, status: Status) -> None:
+    now = timezone.now()
+    job.save(update_fields=job.mark(Status.FINALIZING, now))
+    outputs: list[bytes] = []
+    errors: list[bytes] = []
+    for row in JobLine.objects.filter(job=job).order_by("line").iterator(chunk_size=2000):
+        (outputs if row.answered and row.ok else errors).append(_line(job, row, status))
+    with transaction.atomic():
+        job.output_file = _store(job, "output", outputs) if outputs else None
+        job.error_file = _store(job, "errors", errors) if errors else None
+        job.completed = sum(1 for _ in outputs)
+        job.failed = len(errors)
+        job.save(update_fields=["output_file", "error_file", "completed", "failed",
+                                *job.mark(status, timezone.now())])  # fmt: skip
+
+
+def _line(job: Job, row: JobLine, status: Status) -> bytes:
+    record: dict[str, Any] = {
+        "id": f"batch_req_{secrets.token_hex(12)}",
+        "custom_id": row.custom_id,
+    }
+    if row.answered and row.status_code is not None:
+        request_id = f"req_{secrets.token_hex(12)}"
+        record["response"] = {
+            "status_code": row.status_code,
+            "request_id": request_id,
+            "body": row.body,
+        }
+        record["error"] = None
+    else:
+        code, message = UNANSWERED[status]
+        record["response"] = None
+        record["error"] = {"code": code, "message": message}
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def _store(job: Job, kind: str, lines: list[bytes]) -> StoredFile:
+    content = b"".join(lines)
+    stored = StoredFile(key_id=job.key_id, purpose=Purpose.BATCH_OUTPUT, size=len(content),
+                        lines=len(lines), filename=f"{job.id}_{kind}.jsonl")  # fmt: skip
+    stored.content.save(f"{stored.id}.jsonl", ContentFile(content), save=False)
+    stored.save()
+    return stored

@@ -1,0 +1,116 @@
+"""One line of an offline job: read from its input file, checked, made an item of the backfill
+lane (batching.backfill), and once answered, shaped as the endpoint answers interactively.
+
+A line is `{"custom_id": ..., "method": "POST", "url": <the job's endpoint>, "body": {...}}`.
+Its body is checked as the endpoint checks a request (sampling.validation); a line the
+endpoint would refuse is answered as it would be (a 400 in the error file) and never reaches
+a GPU. A line is one completion: `n` above 1, several prompts, `echo` and `stream` are
+refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from batching.answers import Answer
+from batching.generation import SampleRequest
+from batching.outcomes import ItemOutcome
+from batching.policy import Policy
+from sampling import schemas
+from sampling.completions import completion_body
+from sampling.responses import Invalid
+from sampling.submission import Tokens
+from sampling.validation import check_settings, check_size, parse, sample_requests
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS: dict[str, type[BaseModel]] = {
+    COMPLETIONS: schemas.CompletionRequest,
+    CHAT: schemas.ChatCompletionRequest,
+}
+
+
+class BadLine(ValueError):
+    """A line that is no request of the job (not JSON, no custom_id, another URL): the job
+    fails validation with it."""
+
+
+@dataclass(frozen=True)
+class Line:
+    index: int  # from 0
+    custom_id: str
+    body: bytes  # the request's JSON
+
+
+def read_line(index: int, raw: bytes, endpoint: str) -> Line:
+    """The line `index` of a job's input (one JSON object), or BadLine saying what is wrong."""
+    try:
+        found = json.loads(raw)
+    except ValueError as exc:
+        raise BadLine(f"line {index + 1} is not JSON: {exc}") from None
+    if not isinstance(found, dict):
+        raise BadLine(f"line {index + 1} is not a JSON object")
+    custom_id = found.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
+        raise BadLine(f"line {index + 1}: custom_id must be a string of 1 to 512 characters")
+    if found.get("method", "POST") != "POST":
+        raise BadLine(f"line {index + 1}: method must be POST")
+    if found.get("url") != endpoint:
+        raise BadLine(f"line {index + 1}: url must be the batch's endpoint, {endpoint}")
+    body = found.get("body")
+    if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        raise BadLine(f"line {index + 1}: body must be an object with a model")
+    return Line(index, custom_id, json.dumps(body).encode())
+
+
+def model_of(line: Line) -> str:
+    return str(json.loads(line.body)["model"])
+
+
+def request_of(line: Line, endpoint: str, policy: Policy) -> SampleRequest:
+    """The line's one sample request, checked as its endpoint checks one; Invalid if the
+    endpoint would refuse it."""
+    parsed = parse(ENDPOINTS[endpoint], line.body)
+    assert isinstance(parsed, schemas._Settings)
+    if parsed.stream:
+        raise Invalid("stream is not supported in a batch", "stream")
+    if parsed.n != 1:
+        raise Invalid("n must be 1 in a batch: send one line per choice", "n")
+    check_settings(parsed, policy)
+    if isinstance(parsed, schemas.ChatCompletionRequest):
+        chat = tuple((message.role, message.text()) for message in parsed.messages)
+        check_size("".join(content for _, content in chat), policy, "messages")
+        requests = sample_requests(None, chat, parsed)
+    else:
+        assert isinstance(parsed, schemas.CompletionRequest)
+        if parsed.echo:
+            raise Invalid("echo is not supported in a batch", "echo")
+        prompts = parsed.prompts()
+        if len(prompts) != 1:
+            raise Invalid("a batch line has one prompt: send one line per prompt", "prompt")
+        check_size(prompts[0], policy, "prompt")
+        requests = sample_requests(prompts, (), parsed)
+    return requests[0]
+
+
+def refused(invalid: Invalid) -> tuple[int, dict[str, Any]]:
+    """A refused line's status and body, as the endpoint words a refusal."""
+    error_type = "not_found_error" if invalid.status == 404 else "invalid_request_error"
+    error = {"message": invalid.message, "type": error_type, "param": invalid.param,
+             "code": invalid.code}  # fmt: skip
+    return invalid.status, {"error": error}
+
+
+def answered(endpoint: str, model: str, answer: Answer) -> tuple[int, dict[str, Any]]:
+    """An answered line's status and body, as its endpoint answers interactively."""
+    problem = answer.problem
+    if answer.outcome == ItemOutcome.OK or problem is None:
+        tokens = Tokens(answer.prompt_tokens, answer.completion_tokens, 0)
+        return 200, completion_body(model, [answer], [answer.text], tokens, chat=endpoint == CHAT)
+    error = {"message": answer.text, "type": problem.openai_type, "param": None,
+             "code": problem.openai_code}  # fmt: skip
+    return problem.status, {"error": error}

@@ -1,0 +1,234 @@
+"""OpenAI's Files and Batch APIs, for offline jobs: upload a JSONL file of requests, create a
+job of it, follow it, cancel it, download its output and error files.
+
+Every endpoint needs an API key (anonymous callers would share one identity), and a key sees
+only its own files and jobs: another key's id is answered as unknown (404). What a job does
+once created is the feeder's (offline.feeder).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Concatenate, ParamSpec
+
+from django.conf import settings
+from django.core.files.uploadedfile import UploadedFile
+from django.http import FileResponse, HttpRequest, HttpResponse
+from django.http.response import HttpResponseBase
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+
+from batching.access import Caller
+from batching.problems import Failure
+from batching.topology import REDIS_FAULTS
+from offline.lines import ENDPOINTS
+from offline.models import ACTIVE, Job, Purpose, Status, StoredFile
+from sampling.responses import Invalid, json_response, openai_failure, openai_invalid
+from sampling.runtime import web_process
+from sampling.wrappers import answer_failure, authenticate, redis_away
+
+P = ParamSpec("P")
+COMPLETION_WINDOW = "24h"
+LIST_LIMIT = (1, 100)
+
+
+def openai_endpoint(
+    *methods: str,
+) -> Callable[
+    [Callable[Concatenate[HttpRequest, Caller, P], HttpResponseBase]],
+    Callable[Concatenate[HttpRequest, P], HttpResponseBase],
+]:
+    """An endpoint of the API around `view(request, caller, ...)`: another method gets 405,
+    the caller must send an API key (401), and what the view refuses (an `Invalid`) is worded
+    in OpenAI's error JSON."""
+
+    def decorate(
+        view: Callable[Concatenate[HttpRequest, Caller, P], HttpResponseBase],
+    ) -> Callable[Concatenate[HttpRequest, P], HttpResponseBase]:
+        @csrf_exempt
+        @functools.wraps(view)
+        def wrapped(request: HttpRequest, /, *args: P.args, **kwargs: P.kwargs) -> HttpResponseBase:
+            try:
+                if request.method not in methods:
+                    raise Invalid(f"use {' or '.join(methods)} on {request.path}", status=405,
+                                  code="method_not_allowed",
+                                  headers={"Allow": ", ".join(methods)})  # fmt: skip
+                caller = authenticate(request, web_process())
+                if isinstance(caller, Failure):
+                    return answer_failure(openai_failure, caller)
+                if caller.key_id == 0:
+                    raise Invalid(
+                        "files and batches belong to an API key: send Authorization: Bearer "
+                        "<key>", status=401, code="missing_api_key",
+                        headers={"WWW-Authenticate": 'Bearer realm="sampling"'},
+                    )  # fmt: skip
+                return view(request, caller, *args, **kwargs)
+            except Invalid as invalid:
+                return openai_invalid(invalid)
+            except REDIS_FAULTS as exc:
+                return answer_failure(openai_failure, redis_away(exc))
+
+        return wrapped
+
+    return decorate
+
+
+def _not_found(kind: str, ident: str) -> Invalid:
+    return Invalid(f"no {kind} {ident!r}", status=404, code="not_found")
+
+
+def _page(objects: list[dict[str, Any]], limit: int) -> HttpResponse:
+    more = len(objects) > limit
+    data = objects[:limit]
+    body = {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": more,
+    }
+    return json_response(200, body)
+
+
+def _limit(request: HttpRequest, default: int) -> int:
+    raw = request.GET.get("limit", str(default))
+    low, high = LIST_LIMIT
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise Invalid(f"limit must be an integer from {low} to {high}", "limit")
+    return int(raw)
+
+
+# --- files --------------------------------------------------------------------------------
+@openai_endpoint("GET", "POST")
+def files(request: HttpRequest, caller: Caller) -> HttpResponse:
+    if request.method == "GET":
+        limit = _limit(request, 100)
+        found = StoredFile.objects.filter(key_id=caller.key_id)
+        if purpose := request.GET.get("purpose"):
+            found = found.filter(purpose=purpose)
+        return _page([f.as_openai() for f in found[: limit + 1]], limit)
+    return _upload(request, caller)
+
+
+def _upload(request: HttpRequest, caller: Caller) -> HttpResponse:
+    limit = settings.SAMPLING_BATCH_FILE_MAX_BYTES
+    declared = request.META.get("CONTENT_LENGTH") or "0"
+    if declared.isdigit() and int(declared) > limit + 64 * 1024:  # room for the form's parts
+        raise Invalid(f"the file is over the {limit}-byte limit", "file", status=413,
+                      code="file_too_large")  # fmt: skip
+    purpose = request.POST.get("purpose", "")
+    if purpose != Purpose.BATCH:
+        raise Invalid(f"purpose must be {Purpose.BATCH!r}, got {purpose!r}", "purpose")
+    upload = request.FILES.get("file")
+    if not isinstance(upload, UploadedFile):
+        raise Invalid("send the file as the multipart field 'file'", "file")
+    if upload.size is None or upload.size > limit:
+        raise Invalid(f"the file is over the {limit}-byte limit", "file", status=413,
+                      code="file_too_large")  # fmt: skip
+    lines = sum(1 for line in upload if line.strip())
+    upload.seek(0)
+    stored = StoredFile(key_id=caller.key_id, purpose=purpose, size=upload.size, lines=lines,
+                        filename=(upload.name or "upload.jsonl")[:255])  # fmt: skip
+    stored.content.save(f"{stored.id}.jsonl", upload, save=False)
+    stored.save()
+    return json_response(200, stored.as_openai())
+
+
+def _own_file(caller: Caller, file_id: str) -> StoredFile:
+    found = StoredFile.objects.filter(id=file_id, key_id=caller.key_id).first()
+    if found is None:
+        raise _not_found("file", file_id)
+    return found
+
+
+@openai_endpoint("GET", "DELETE")
+def file(request: HttpRequest, caller: Caller, file_id: str) -> HttpResponse:
+    found = _own_file(caller, file_id)
+    if request.method == "DELETE":
+        if Job.objects.filter(input_file=found, status__in=ACTIVE).exists():
+            raise Invalid(f"file {file_id!r} is the input of a job still running", "file_id",
+                          status=409, code="file_in_use")  # fmt: skip
+        found.content.delete(save=False)
+        found.delete()
+        return json_response(200, {"id": file_id, "object": "file", "deleted": True})
+    return json_response(200, found.as_openai())
+
+
+@openai_endpoint("GET")
+def file_content(request: HttpRequest, caller: Caller, file_id: str) -> HttpResponseBase:
+    found = _own_file(caller, file_id)
+    response = FileResponse(found.content.open("rb"), content_type="application/jsonl")
+    response["Content-Length"] = str(found.size)
+    return response
+
+
+# --- batches ------------------------------------------------------------------------------
+@openai_endpoint("GET", "POST")
+def batches(request: HttpRequest, caller: Caller) -> HttpResponse:
+    if request.method == "GET":
+        limit = _limit(request, 20)
+        found = Job.objects.filter(key_id=caller.key_id).select_related("input_file")
+        if after := request.GET.get("after"):
+            cursor = Job.objects.filter(id=after, key_id=caller.key_id).first()
+            if cursor is None:
+                raise _not_found("batch", after)
+            found = found.filter(created__lt=cursor.created)
+        return _page([job.as_openai() for job in found[: limit + 1]], limit)
+    return _create(request, caller)
+
+
+def _create(request: HttpRequest, caller: Caller) -> HttpResponse:
+    try:
+        body = json.loads(request.body or b"{}")
+    except ValueError as exc:
+        raise Invalid(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise Invalid("send a JSON object", code="invalid_json")
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise Invalid(f"endpoint must be one of {sorted(ENDPOINTS)}, got {endpoint!r}", "endpoint")
+    window = body.get("completion_window", COMPLETION_WINDOW)
+    if window != COMPLETION_WINDOW:
+        raise Invalid(f"completion_window must be {COMPLETION_WINDOW!r}", "completion_window")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise Invalid("metadata must be an object of strings", "metadata")
+    input_file = _own_file(caller, str(body.get("input_file_id", "")))
+    if input_file.purpose != Purpose.BATCH:
+        raise Invalid(f"file {input_file.id!r} is not of purpose 'batch'", "input_file_id")
+    job = Job.objects.create(
+        key_id=caller.key_id, endpoint=endpoint, input_file=input_file, metadata=metadata,
+        completion_window=window, expires_at=timezone.now() + timedelta(hours=24),
+    )  # fmt: skip
+    return json_response(200, job.as_openai())
+
+
+def _own_job(caller: Caller, job_id: str) -> Job:
+    found = Job.objects.filter(id=job_id, key_id=caller.key_id).first()
+    if found is None:
+        raise _not_found("batch", job_id)
+    return found
+
+
+@openai_endpoint("GET")
+def batch(request: HttpRequest, caller: Caller, job_id: str) -> HttpResponse:
+    return json_response(200, _own_job(caller, job_id).as_openai())
+
+
+@openai_endpoint("POST")
+def cancel(request: HttpRequest, caller: Caller, job_id: str) -> HttpResponse:
+    """A running job stops being fed at once; the feeder withdraws its waiting items and,
+    once its taken ones are answered, writes what is done and marks it cancelled."""
+    job = _own_job(caller, job_id)
+    if job.status in (Status.VALIDATING, Status.IN_PROGRESS):
+        updated = Job.objects.filter(id=job.id, status=job.status).update(
+            status=Status.CANCELLING, cancelling_at=timezone.now()
+        )
+        if updated:
+            job.refresh_from_db()
+    return json_response(200, job.as_openai())

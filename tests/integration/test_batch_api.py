@@ -1,0 +1,169 @@
+"""OpenAI's Batch API end to end, with the `openai` client: upload a JSONL file, create a batch,
+poll it, download its output and error files; against gunicorn, a simulated worker and Redis.
+The lines ride in the backfill lane: whole batches of them while no request comes, and the
+places interactive batches leave empty while requests do."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import redis
+from openai import OpenAI
+
+from batching.aggregator import BatchAggregator
+from inference_site.lib.stack import Stack
+from tests.support.batches import (
+    CHAT,
+    batch_stack,
+    chat_lines,
+    completed,
+    create,
+    ended,
+    jsonl,
+    keyed_client,
+    records,
+)
+from tests.support.http import request
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+# Lines of a job cancelled as it runs: 10 s of calls of 100 every 50 ms.
+CANCELLED_LINES = 20_000
+
+
+@pytest.fixture(scope="module")
+def stack(start_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    return batch_stack(start_stack, "batch", tmp_path_factory.mktemp("batch-files"))
+
+
+@pytest.fixture(scope="module")
+def model(stack: Stack) -> str:
+    return stack.env["SAMPLING_QUEUE"]
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> OpenAI:
+    return keyed_client(stack)
+
+
+def test_a_batch_runs_to_its_output_with_each_custom_id_once(client: OpenAI, model: str) -> None:
+    lines = chat_lines(model, 250, "idle")
+    done = ended(client, create(client, lines).id)
+    assert done.status == "completed", done
+    counts = done.request_counts
+    assert counts is not None
+    assert (counts.total, counts.completed, counts.failed) == (250, 250, 0)
+    output = records(client, done.output_file_id)
+    assert [r["custom_id"] for r in output] == [line["custom_id"] for line in lines]
+    assert done.error_file_id is None
+    # Each answer is what the same request gets interactively.
+    for record, line in list(zip(output, lines, strict=True))[:5]:
+        assert record["error"] is None
+        assert record["response"]["status_code"] == 200
+        interactive = client.chat.completions.create(**line["body"])
+        body = record["response"]["body"]
+        assert body["choices"][0]["message"]["content"] == interactive.choices[0].message.content
+        assert interactive.usage is not None
+        assert body["usage"]["completion_tokens"] == interactive.usage.completion_tokens
+
+
+def test_a_line_its_endpoint_refuses_is_answered_as_the_endpoint_would(
+    client: OpenAI, model: str
+) -> None:
+    lines = chat_lines(model, 20, "mixed")
+    lines[3]["body"]["temperature"] = 7  # above the API's bound
+    done = ended(client, create(client, lines).id)
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (19, 1)
+    errors = records(client, done.error_file_id)
+    assert [r["custom_id"] for r in errors] == ["mixed-3"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**lines[3]["body"])
+    assert errors[0]["response"]["status_code"] == 400
+    assert errors[0]["response"]["body"]["error"]["message"] == refused.value.body["message"]  # type: ignore[index]
+    output = records(client, done.output_file_id)
+    assert {r["custom_id"] for r in output} == {line["custom_id"] for line in lines} - {"mixed-3"}
+
+
+def test_a_file_that_is_no_batch_fails_validation(client: OpenAI, model: str) -> None:
+    lines = chat_lines(model, 3, "bad")
+    lines[2]["custom_id"] = lines[0]["custom_id"]
+    done = ended(client, create(client, lines).id)
+    assert done.status == "failed"
+    assert done.errors is not None
+    assert done.errors.data
+    assert "not unique" in (done.errors.data[0].message or "")
+
+
+def test_interactive_batches_carry_backfill_in_their_empty_places(
+    stack: Stack, client: OpenAI, model: str
+) -> None:
+    """While requests come, the job's lines ride in their batches' empty places."""
+    aggregator = BatchAggregator(redis.Redis.from_url(stack.env["REDIS_URL"]), model)
+    lines = chat_lines(model, 2000, "shared")
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    created = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
+                                    completion_window="24h")  # fmt: skip
+
+    def ask(index: int) -> str:
+        answer = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"now {index}"}], max_tokens=8
+        )
+        return answer.choices[0].message.content or ""
+
+    def shared() -> bool:
+        records = [json.loads(raw) for raw in aggregator.batch_log.recent()]
+        return any(r["size"] > 0 and r.get("backfill", 0) > 0 for r in records)
+
+    with ThreadPoolExecutor(8) as pool:
+        deadline = time.monotonic() + 20
+        while not shared() and time.monotonic() < deadline:
+            assert all(list(pool.map(ask, range(16))))
+    assert shared()
+    done = ended(client, created.id)
+    assert done.status == "completed"
+    assert completed(done) == 2000
+    assert len({r["custom_id"] for r in records(client, done.output_file_id)}) == 2000
+
+
+def test_a_cancelled_batch_ends_with_every_custom_id_once(client: OpenAI, model: str) -> None:
+    lines = chat_lines(model, CANCELLED_LINES, "cancel")
+    uploaded = client.files.create(file=("c.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    created = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
+                                    completion_window="24h")  # fmt: skip
+    wait_until(lambda: completed(client.batches.retrieve(created.id)) > 0, timeout_s=30)
+    cancelling = client.batches.cancel(created.id)
+    assert cancelling.status == "cancelling"
+    done = ended(client, created.id)
+    assert done.status == "cancelled"
+    output = records(client, done.output_file_id)
+    errors = records(client, done.error_file_id)
+    assert errors
+    assert all(r["error"]["code"] == "batch_cancelled" for r in errors)
+    ids = [r["custom_id"] for r in output + errors]
+    assert sorted(ids) == sorted(line["custom_id"] for line in lines)  # each once
+    assert completed(done) == len(output) < CANCELLED_LINES
+
+
+def test_a_key_sees_only_its_own_files_and_batches(
+    stack: Stack, client: OpenAI, model: str
+) -> None:
+    content = io.BytesIO(jsonl(chat_lines(model, 1, "own")))
+    uploaded = client.files.create(file=("own.jsonl", content), purpose="batch")
+    other = keyed_client(stack, "other")
+    with pytest.raises(openai.NotFoundError):
+        other.files.retrieve(uploaded.id)
+    with pytest.raises(openai.NotFoundError):
+        other.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    assert other.batches.list().data == []
+    anonymous = request(stack.base_url, "/v1/batches", method="GET")
+    assert anonymous.status == 401
+    assert json.loads(anonymous.body)["error"]["code"] == "missing_api_key"
