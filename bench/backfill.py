@@ -7,8 +7,8 @@ second) behind two gevent web processes, on an embedded Redis, with a database o
 At each load (0, 10, 50, 90 and 100% of the limit), `--seconds` of open-loop Poisson
 requests to /sample, once without a job and once while a job of `--job-lines` chat lines
 (50,000) runs, in alternating order round after round; the job is created (and validated,
-and its lanes fed) before the window opens, and cancelled after it. Per load, medians over
-the rounds:
+and its lanes fed) before the window opens, and cancelled after it (the next window opens
+once it is). Per load, medians over the rounds:
 
 - interactive goodput (200s a second) and latency p50/p99, without and with the job;
 - the job's lines answered a second during the window (its `request_counts`);
@@ -89,6 +89,14 @@ def _job(client: OpenAI, model: str, lines: int, tag: str) -> str:
     return job.id
 
 
+def _cancelled(client: OpenAI, job_id: str) -> None:
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(job_id).status != "cancelled":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"job {job_id} was not cancelled within 60 s")
+        time.sleep(0.1)
+
+
 def _answered(client: OpenAI, job_id: str) -> int:
     counts = client.batches.retrieve(job_id).request_counts
     return counts.completed + counts.failed if counts else 0
@@ -114,6 +122,7 @@ def _window(
     if job:
         figures["job_rps"] = (_answered(client, job_id) - answered) / elapsed
         client.batches.cancel(job_id)
+        _cancelled(client, job_id)  # none of its items left to run in the next window
     if load:
         wrong = results.count(loadgen.WRONG)
         if wrong:
