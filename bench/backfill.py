@@ -39,10 +39,13 @@ from bench.harness.stats import median
 from bench.harness.trees import in_turn
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
+from workers.lifecycle import HEARTBEAT_INTERVAL_S
 from workers.samplers.simulated import expected_completion
 
 CALL_MS = 100
-LOADS = (0.0, 0.1, 0.5, 0.9, 1.0)
+# Workers publish their metrics with each heartbeat: a call's places are on /metrics this
+# long after it at most (and a little more).
+METRICS_EVERY_S = HEARTBEAT_INTERVAL_S + 0.5
 FILLED = ("interactive", "backfill", "empty")
 
 
@@ -51,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="per window, default 10")
     parser.add_argument("--max-batch", type=int, default=100, help="default 100")
     parser.add_argument("--job-lines", type=int, default=50_000, help="default 50,000")
+    parser.add_argument(
+        "--loads", default="0,10,50,90,100", help="percents of the limit, default 0,10,50,90,100"
+    )
 
 
 def _places(stack: Stack) -> dict[str, float]:
@@ -123,6 +129,7 @@ def _window(
         figures["job_rps"] = (_answered(client, job_id) - answered) / elapsed
         client.batches.cancel(job_id)
         _cancelled(client, job_id)  # none of its items left to run in the next window
+        time.sleep(METRICS_EVERY_S)  # duration: its last calls' places reach /metrics
     if load:
         wrong = results.count(loadgen.WRONG)
         if wrong:
@@ -141,13 +148,14 @@ def main(args: argparse.Namespace) -> None:
                         max_batch=args.max_batch, SAMPLING_FILES_DIR=str(files))  # fmt: skip
     stack = simulated_stack(env, [None])
     runs: dict[tuple[float, bool], list[dict[str, float]]] = {}
+    loads = [int(percent) / 100 for percent in args.loads.split(",")]
     try:
         stack.start(timeout_s=120)
         key = make_api_keys(stack, {"bench-backfill": []})["bench-backfill"]
         client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0,
                         timeout=120)  # fmt: skip
         for round_index in range(args.rounds):
-            for load in LOADS:
+            for load in loads:
                 for job in in_turn((False, True), round_index + int(load * 10)):
                     tag = f"r{round_index}-{load}-{int(job)}"
                     figures = _window(stack, client, args, load, job, tag)
@@ -158,10 +166,14 @@ def main(args: argparse.Namespace) -> None:
     finally:
         stack.stop()
         server.stop()
-    print(f"\n{_table(runs, args)}")
+    print(f"\n{_table(runs, loads, args)}")
 
 
-def _table(runs: dict[tuple[float, bool], list[dict[str, float]]], args: argparse.Namespace) -> str:
+def _table(
+    runs: dict[tuple[float, bool], list[dict[str, float]]],
+    loads: list[float],
+    args: argparse.Namespace,
+) -> str:
     def of(load: float, job: bool, name: str) -> float:
         values = [run[name] for run in runs.get((load, job), []) if name in run]
         return median(values) if values else float("nan")
@@ -172,7 +184,7 @@ def _table(runs: dict[tuple[float, bool], list[dict[str, float]]], args: argpars
 
     rows: list[list[Any]] = []
     number: Callable[[float], str] = lambda value: "-" if value != value else f"{value:,.1f}"  # noqa: E731
-    for load in LOADS:
+    for load in loads:
         rows.append([
             f"{load:.0%}", number(of(load, False, "goodput")), number(of(load, True, "goodput")),
             number(of(load, False, "p50")), number(of(load, True, "p50")),

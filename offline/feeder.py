@@ -22,11 +22,12 @@ import logging
 import secrets
 import time
 from collections import defaultdict
+from typing import Any
 
 import redis
 from django.conf import settings
 from django.db import close_old_connections, transaction
-from django.db.models import Count, Q
+from django.db.models import F
 from django.utils import timezone
 from redis.exceptions import LockError
 
@@ -152,23 +153,24 @@ def collect(lanes: Backfill, jobs: dict[str, Job]) -> int:
 
 
 def _answer_lines(job: Job, answers: dict[int, Answer]) -> int:
+    return _settle(job, {line: answered(job.endpoint, job.model, a) for line, a in answers.items()})
+
+
+def _settle(job: Job, outcomes: dict[int, tuple[int, dict[str, Any]]]) -> int:
+    """Lines answered (status, body), those not answered before only; the job's counts
+    raised by them, in the same transaction (no count over its lines: one feeder at a time,
+    so what it raises is exact). Returns how many lines it answered."""
     with transaction.atomic():
-        rows = list(JobLine.objects.filter(job=job, line__in=list(answers), answered=False))
+        rows = list(JobLine.objects.filter(job=job, line__in=list(outcomes), answered=False))
         for row in rows:
-            row.status_code, row.body = answered(job.endpoint, job.model, answers[row.line])
+            row.status_code, row.body = outcomes[row.line]
             row.answered = True
         JobLine.objects.bulk_update(rows, ["answered", "status_code", "body"])
-        recount(job)
+        ok = sum(1 for row in rows if row.ok)
+        Job.objects.filter(id=job.id).update(
+            completed=F("completed") + ok, failed=F("failed") + len(rows) - ok
+        )
     return len(rows)
-
-
-def recount(job: Job) -> None:
-    counts = JobLine.objects.filter(job=job, answered=True).aggregate(
-        completed=Count("id", filter=Q(status_code=200)),
-        failed=Count("id", filter=~Q(status_code=200)),
-    )
-    job.completed, job.failed = counts["completed"], counts["failed"]
-    job.save(update_fields=["completed", "failed"])
 
 
 def feed(lanes: Backfill, model: ServedModel, job: Job, at_most: int) -> int:
@@ -176,7 +178,7 @@ def feed(lanes: Backfill, model: ServedModel, job: Job, at_most: int) -> int:
     a line its endpoint refuses is answered at once. Returns how many were pushed."""
     policy = model.watcher.current
     items: list[BackfillItem] = []
-    refusals: dict[int, tuple[int, dict[str, object]]] = {}
+    refusals: dict[int, tuple[int, dict[str, Any]]] = {}
     offset, first = job.fed_offset, job.fed_lines
     window = 2 * at_most  # lines looked at this run: a job fed again skips its answered ones
     unanswered = _unanswered(job, first, window)
@@ -201,7 +203,7 @@ def feed(lanes: Backfill, model: ServedModel, job: Job, at_most: int) -> int:
                 break
     pushed = lanes.push(items)
     if refusals:
-        _refuse_lines(job, refusals)
+        _settle(job, refusals)
     job.fed_offset, job.fed_lines = offset, index
     job.save(update_fields=["fed_offset", "fed_lines"])
     return pushed
@@ -211,16 +213,6 @@ def _unanswered(job: Job, first: int, count: int) -> set[int]:
     lines = JobLine.objects.filter(job=job, line__gte=first, line__lt=first + count,
                                    answered=False).values_list("line", flat=True)  # fmt: skip
     return set(lines)
-
-
-def _refuse_lines(job: Job, refusals: dict[int, tuple[int, dict[str, object]]]) -> None:
-    with transaction.atomic():
-        rows = list(JobLine.objects.filter(job=job, line__in=list(refusals), answered=False))
-        for row in rows:
-            row.status_code, row.body = refusals[row.line]
-            row.answered = True
-        JobLine.objects.bulk_update(rows, ["answered", "status_code", "body"])
-        recount(job)
 
 
 _feeders: dict[int, Feeder] = {}

@@ -12,7 +12,7 @@ import functools
 import json
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Concatenate, ParamSpec
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
@@ -31,6 +31,7 @@ from sampling.runtime import web_process
 from sampling.wrappers import answer_failure, authenticate, redis_away
 
 P = ParamSpec("P")
+Owned = TypeVar("Owned", StoredFile, Job)
 COMPLETION_WINDOW = "24h"
 LIST_LIMIT = (1, 100)
 
@@ -74,10 +75,6 @@ def openai_endpoint(
         return wrapped
 
     return decorate
-
-
-def _not_found(kind: str, ident: str) -> Invalid:
-    return Invalid(f"no {kind} {ident!r}", status=404, code="not_found")
 
 
 def _page(objects: list[dict[str, Any]], limit: int) -> HttpResponse:
@@ -137,11 +134,17 @@ def _upload(request: HttpRequest, caller: Caller) -> HttpResponse:
     return json_response(200, stored.as_openai())
 
 
-def _own_file(caller: Caller, file_id: str) -> StoredFile:
-    found = StoredFile.objects.filter(id=file_id, key_id=caller.key_id).first()
+def _owned(model: type[Owned], caller: Caller, ident: str) -> Owned:
+    """The caller's file or job `ident`; another key's is as unknown as a missing one."""
+    found = model._default_manager.filter(id=ident, key_id=caller.key_id).first()
     if found is None:
-        raise _not_found("file", file_id)
+        kind = "file" if model is StoredFile else "batch"
+        raise Invalid(f"no {kind} {ident!r}", status=404, code="not_found")
     return found
+
+
+def _own_file(caller: Caller, file_id: str) -> StoredFile:
+    return _owned(StoredFile, caller, file_id)
 
 
 @openai_endpoint("GET", "DELETE")
@@ -174,7 +177,7 @@ def batches(request: HttpRequest, caller: Caller) -> HttpResponse:
         if after := request.GET.get("after"):
             cursor = Job.objects.filter(id=after, key_id=caller.key_id).first()
             if cursor is None:
-                raise _not_found("batch", after)
+                raise Invalid(f"no batch {after!r}", "after", status=404, code="not_found")
             found = found.filter(created__lt=cursor.created)
         return _page([job.as_openai() for job in found[: limit + 1]], limit)
     return _create(request, caller)
@@ -209,10 +212,7 @@ def _create(request: HttpRequest, caller: Caller) -> HttpResponse:
 
 
 def _own_job(caller: Caller, job_id: str) -> Job:
-    found = Job.objects.filter(id=job_id, key_id=caller.key_id).first()
-    if found is None:
-        raise _not_found("batch", job_id)
-    return found
+    return _owned(Job, caller, job_id)
 
 
 @openai_endpoint("GET")
