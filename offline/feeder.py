@@ -37,6 +37,7 @@ from batching.keys import QueueKeys
 from offline import finish, validate
 from offline.lines import BadLine, answered, read_line, refused, request_of
 from offline.models import Job, JobLine, Status
+from offline.yielding import let_requests_run
 from sampling.responses import Invalid
 from sampling.runtime import ServedModel, WebProcess
 
@@ -50,6 +51,8 @@ LOCK_TTL_S = 60.0
 AHEAD_CALLS = 8
 # Answers collected per shard and run at most.
 COLLECT_AT_MOST = 5000
+# Lines written, or read and checked, between two yields to the process's requests.
+STEP = 20
 
 
 class Feeder:
@@ -153,7 +156,14 @@ def collect(lanes: Backfill, jobs: dict[str, Job]) -> int:
 
 
 def _answer_lines(job: Job, answers: dict[int, Answer]) -> int:
-    return _settle(job, {line: answered(job.endpoint, job.model, a) for line, a in answers.items()})
+    count = 0
+    lines = list(answers)
+    for start in range(0, len(lines), STEP):
+        step = {line: answered(job.endpoint, job.model, answers[line])
+                for line in lines[start : start + STEP]}  # fmt: skip
+        count += _settle(job, step)
+        let_requests_run()
+    return count
 
 
 def _settle(job: Job, outcomes: dict[int, tuple[int, dict[str, Any]]]) -> int:
@@ -199,6 +209,8 @@ def feed(lanes: Backfill, model: ServedModel, job: Job, at_most: int) -> int:
                 except BadLine:  # validated before: the file changed under the job
                     refusals[index] = refused(Invalid("the line changed after validation"))
             index += 1
+            if index % STEP == 0:
+                let_requests_run()
             if len(items) >= at_most or index >= first + window or index >= job.total:
                 break
     pushed = lanes.push(items)

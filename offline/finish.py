@@ -15,6 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from offline.models import Job, JobLine, Purpose, Status, StoredFile
+from offline.yielding import let_requests_run
 
 # Why a line has no answer, by the job's end.
 UNANSWERED = {
@@ -29,8 +30,11 @@ def finalize(job: Job, status: Status) -> None:
     job.save(update_fields=job.mark(Status.FINALIZING, now))
     outputs: list[bytes] = []
     errors: list[bytes] = []
-    for row in JobLine.objects.filter(job=job).order_by("line").iterator(chunk_size=2000):
+    rows = JobLine.objects.filter(job=job).order_by("line").iterator(chunk_size=500)
+    for count, row in enumerate(rows):
         (outputs if row.answered and row.ok else errors).append(_line(job, row, status))
+        if count % 200 == 0:
+            let_requests_run()
     with transaction.atomic():
         job.output_file = _store(job, "output", outputs) if outputs else None
         job.error_file = _store(job, "errors", errors) if errors else None

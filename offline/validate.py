@@ -19,12 +19,14 @@ from django.utils import timezone
 from batching.catalog import GENERATOR
 from offline.lines import BadLine, Line, model_of, read_line
 from offline.models import Job, JobLine, Status
+from offline.yielding import let_requests_run
 from sampling.runtime import WebProcess
 
 log = logging.getLogger(__name__)
 
 MAX_ERRORS = 100
-CREATE_CHUNK = 2000
+CREATE_CHUNK = 500
+YIELD_EVERY = 200  # lines read between two yields to the process's requests
 
 
 def checked(process: WebProcess, job: Job) -> None:
@@ -42,7 +44,9 @@ def run(process: WebProcess, job: Job) -> None:
     lines: list[Line] = []
     seen: set[str] = set()
     with job.input_file.content.open("rb") as handle:
-        for raw in handle:
+        for count, raw in enumerate(handle):
+            if count % YIELD_EVERY == 0:
+                let_requests_run()
             if not raw.strip():
                 continue
             index = len(lines) + len(errors)
@@ -81,6 +85,7 @@ def run(process: WebProcess, job: Job) -> None:
                 JobLine(job=job, line=line.index, custom_id=line.custom_id)
                 for line in lines[start : start + CREATE_CHUNK]
             )
+            let_requests_run()
         # Only a job still validating moves on: a cancel meanwhile stands.
         Job.objects.filter(id=job.id, status=Status.VALIDATING).update(
             model=model, total=len(lines), status=Status.IN_PROGRESS, in_progress_at=now
