@@ -78,14 +78,17 @@ def run(process: WebProcess, job: Job) -> None:
         job.errors = errors[:MAX_ERRORS]
         job.save(update_fields=["errors", *job.mark(Status.FAILED, now)])
         return
+    # Each chunk its own short transaction, with a yield between (never inside one: a write
+    # transaction held across a yield locks SQLite for every other process). A validation cut
+    # short is done again from the start: its lines are deleted first.
+    JobLine.objects.filter(job=job).delete()
+    for start in range(0, len(lines), CREATE_CHUNK):
+        JobLine.objects.bulk_create(
+            JobLine(job=job, line=line.index, custom_id=line.custom_id)
+            for line in lines[start : start + CREATE_CHUNK]
+        )
+        let_requests_run()
     with transaction.atomic():
-        JobLine.objects.filter(job=job).delete()  # a validation cut short before
-        for start in range(0, len(lines), CREATE_CHUNK):
-            JobLine.objects.bulk_create(
-                JobLine(job=job, line=line.index, custom_id=line.custom_id)
-                for line in lines[start : start + CREATE_CHUNK]
-            )
-            let_requests_run()
         # Only a job still validating moves on: a cancel meanwhile stands.
         Job.objects.filter(id=job.id, status=Status.VALIDATING).update(
             model=model, total=len(lines), status=Status.IN_PROGRESS, in_progress_at=now
