@@ -122,11 +122,12 @@ class Feeder:
 
     def _epoch(self, model: ServedModel) -> str:
         """The lanes' epoch: each shard's token (written where missing: Redis lost it)."""
-        tokens = []
-        for keys in model.aggregator.shards:
-            self.client.set(keys.backfill_epoch, secrets.token_hex(6), nx=True)
-            tokens.append((self.client.get(keys.backfill_epoch) or b"").decode())
-        return "|".join(tokens)
+        with self.client.pipeline(transaction=False) as pipe:
+            for keys in model.aggregator.shards:
+                pipe.set(keys.backfill_epoch, secrets.token_hex(6), nx=True)
+                pipe.get(keys.backfill_epoch)
+            replies = pipe.execute()
+        return "|".join((token or b"").decode() for token in replies[1::2])
 
     def _wind_down(self, lanes: Backfill, job: Job) -> None:
         """A cancelled (or expired) job: its waiting items out of the lanes, and once none is

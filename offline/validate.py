@@ -89,11 +89,11 @@ def run(process: WebProcess, job: Job) -> None:
         )
         let_requests_run()
     with transaction.atomic():
+        Job.objects.filter(id=job.id).update(model=model, total=len(lines))
         # Only a job still validating moves on: a cancel meanwhile stands.
         Job.objects.filter(id=job.id, status=Status.VALIDATING).update(
-            model=model, total=len(lines), status=Status.IN_PROGRESS, in_progress_at=now
+            status=Status.IN_PROGRESS, in_progress_at=now
         )
-        Job.objects.filter(id=job.id).update(model=model, total=len(lines))
     job.refresh_from_db()
 
 

@@ -350,7 +350,7 @@ class BatchRunner:
                 interactive=record["sampled"], backfill=len(turn.backfill),
                 places=policy.max_batch_size * len(turn.chunks),
             )  # fmt: skip
-        statistics = statistics_of(turn, self.worker)
+        statistics = statistics_of(turn, record)
         charges = {  # a backfill item's tokens are its job's, in no key's rate window
             key_id: tokens[1] for key_id, tokens in turn.tokens_by_key.items() if key_id != NO_KEY
         }

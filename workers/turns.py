@@ -147,19 +147,17 @@ def record_of(turn: Turn, worker: str) -> dict[str, Any]:
     }
 
 
-def statistics_of(turn: Turn, worker: str) -> dict[str, int]:
-    """The turn's counts for the statistics. A turn of backfill items only is no batch of
-    the queue's (its fill, its mean size): its call counts as busy time and backfill."""
-    results = turn.in_order
-    expired = sum(1 for answer in results if answer.outcome == ItemOutcome.EXPIRED)
-    sealed = turn.sealed
-    queue_wait_ms = sealed.now_ms - sealed.opened_at_ms if sealed.opened_at_ms >= 0 else None
+def statistics_of(turn: Turn, record: dict[str, Any]) -> dict[str, int]:
+    """The turn's counts for the statistics, from its record (`record_of`). A turn of backfill
+    items only is no batch of the queue's (its fill, its mean size): its call counts as busy
+    time and backfill."""
+    worker = record["worker"]
     if turn.interactive:
         counts = stats.batch_counts(
             worker=worker,
-            size=len(results),
-            expired=expired,
-            queue_wait_ms=queue_wait_ms,
+            size=record["size"],
+            expired=record["expired"],
+            queue_wait_ms=record["queue_wait_ms"],
             sampler_ms=turn.sampler_ms,
             calls=len(turn.chunks),
             max_batch_size=turn.policy.max_batch_size,

@@ -75,7 +75,7 @@ def test_the_publisher_coalesces_a_calls_text_into_a_message_per_interval(
         for word in words:
             publisher.sink(0, word)
             publisher.sink(1, word.upper())
-            time.sleep(0.002)
+            time.sleep(0.002)  # duration: a sampler's pace, one token every 2 ms (the input)
     elapsed_ms = (time.monotonic() - started) * 1000
     messages = _received(pubsub, publisher.published)
     for item, text in ((5, "".join(words)), (2, "".join(words).upper())):
