@@ -44,6 +44,9 @@ KINDS = (GENERATOR, EMBEDDER)
 EMBEDDING_SAMPLERS = frozenset({"hf-embedder", "simulated-embedder"})
 # The most an alias target's weight may be (weights are relative: 90 and 10 split 90/10).
 MAX_WEIGHT = 1000
+# An offline job's tokens pay this share of its model's prices unless the registry says
+# otherwise: OpenAI's Batch API charges half.
+DEFAULT_BATCH_PRICE_FACTOR = "0.5"
 
 
 def kind_of_sampler(sampler: str) -> str:
@@ -64,6 +67,14 @@ class Price:
 
     def of(self, prompt_tokens: int, completion_tokens: int) -> int:
         return prompt_tokens * self.prompt_nanos + completion_tokens * self.completion_nanos
+
+    def times(self, factor: str) -> Price:
+        """These prices times `factor` (a decimal string), each rounded down to a whole
+        billionth: the price an offline job's tokens pay (ModelEntry.batch_price)."""
+        scale = Decimal(factor)
+        if not 0 <= scale <= 1:
+            raise ValueError(f"a price factor is between 0 and 1: {factor}")
+        return Price(int(self.prompt_nanos * scale), int(self.completion_nanos * scale))
 
 
 def _nanos_per_token(per_thousand: str) -> int:
@@ -89,6 +100,8 @@ class ModelEntry:
     prompt_price: str = "0"
     completion_price: str = "0"
     created: int = 0  # epoch seconds; 0: listed by the environment, not registered
+    # What an offline job's tokens pay (the Batch API), as a share of the prices above.
+    batch_price_factor: str = DEFAULT_BATCH_PRICE_FACTOR
 
     @property
     def generates(self) -> bool:
@@ -98,6 +111,11 @@ class ModelEntry:
     def price(self) -> Price:
         """Parsed once per entry (every answer is charged with it)."""
         return Price.per_thousand(self.prompt_price, self.completion_price)
+
+    @cached_property
+    def batch_price(self) -> Price:
+        """What an offline job's tokens pay: the price times `batch_price_factor`."""
+        return self.price.times(self.batch_price_factor)
 
 
 @dataclass(frozen=True)
@@ -185,6 +203,10 @@ class Catalog:
                 entry.price  # noqa: B018 - checks both prices
             except (ValueError, InvalidOperation):
                 found.append(f"model {entry.name!r}: prices are decimals of up to 6 places")
+            try:
+                entry.batch_price  # noqa: B018 - checks the factor
+            except (ValueError, InvalidOperation):
+                found.append(f"model {entry.name!r}: the batch price factor is 0 to 1")
         for alias in self.aliases.values():
             if alias.name in self.models:
                 found.append(f"alias {alias.name!r} has the name of a model")

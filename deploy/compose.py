@@ -83,6 +83,20 @@ WEB = f"""\
       - "{WEB_PORT}"
 """  # noqa: E501 - one shell command line, as docker compose shows it
 
+# The offline jobs' feeder: their files and database, as the web node's (its volume).
+FEEDER = """\
+  feeder:
+    <<: *app
+    command: ["python", "manage.py", "runfeeder"]
+    environment:
+      <<: *app-env
+      SAMPLING_FILES_DIR: /var/lib/sampling/files
+    volumes:
+      - web-data:/var/lib/sampling
+    depends_on:
+      - web
+"""
+
 NGINX = f"""\
   # The only service on the host's network; deploy/nginx/upstream.conf points it at web:{WEB_PORT}.
   nginx:
@@ -144,7 +158,7 @@ def render(gpus: int) -> str:
     if gpus < 0:
         raise ValueError(f"gpus must be 0 or more, not {gpus}")
     workers = [GPU_WORKER.format(gpu=gpu) for gpu in range(gpus)] or [CPU_WORKER]
-    services = [REDIS, WEB, NGINX, *workers]
+    services = [REDIS, WEB, FEEDER, NGINX, *workers]
     volumes = "\nvolumes:\n  web-data:\n  redis-data:\n"
     return header(gpus) + X_APP + "\nservices:\n" + "\n".join(services) + volumes
 

@@ -11,8 +11,8 @@ class OfflineConfig(AppConfig):
     verbose_name = "Offline jobs"
 
     def ready(self) -> None:
-        # The feeder runs in a loop of each web process (one at a time feeds: a Redis lock).
-        from offline import feeder
-        from sampling.runtime import register_process_loop
+        # The feeder is a process of its own: `python manage.py runfeeder` (offline.feeder).
+        from offline import openapi
+        from sampling.openapi import DocumentPart, register_part
 
-        register_process_loop("offline-feeder", feeder.run, feeder.FEED_INTERVAL_S)
+        register_part(DocumentPart(openapi.paths, openapi.VALIDATED, openapi.SERIALIZED))

@@ -15,7 +15,6 @@ from django.db import transaction
 from django.utils import timezone
 
 from offline.models import Job, JobLine, Purpose, Status, StoredFile
-from offline.yielding import let_requests_run
 
 # Why a line has no answer, by the job's end.
 UNANSWERED = {
@@ -30,14 +29,13 @@ def finalize(job: Job, status: Status) -> None:
     job.save(update_fields=job.mark(Status.FINALIZING, now))
     outputs: list[bytes] = []
     errors: list[bytes] = []
-    # In chunks read whole, with a yield between: no cursor left open across a yield (a
-    # reader holds SQLite's shared lock, and every writer waits for it).
+    # In chunks read whole: no cursor left open (a reader holds SQLite's shared lock, and
+    # every writer waits for it).
     first = 0
     while chunk := list(JobLine.objects.filter(job=job, line__gte=first).order_by("line")[:500]):
         for row in chunk:
             (outputs if row.answered and row.ok else errors).append(_line(job, row, status))
         first = chunk[-1].line + 1
-        let_requests_run()
     with transaction.atomic():
         job.output_file = _store(job, "output", outputs) if outputs else None
         job.error_file = _store(job, "errors", errors) if errors else None

@@ -4,8 +4,8 @@ lane (batching.backfill), and once answered, shaped as the endpoint answers inte
 A line is `{"custom_id": ..., "method": "POST", "url": <the job's endpoint>, "body": {...}}`.
 Its body is checked as the endpoint checks a request (sampling.validation); a line the
 endpoint would refuse is answered as it would be (a 400 in the error file) and never reaches
-a GPU. A line is one completion: `n` above 1, several prompts, `echo` and `stream` are
-refused.
+a GPU. A line is one completion, or one embedding: `n` above 1, several prompts or inputs,
+`echo`, `stream` and base64 embeddings are refused.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from batching.answers import Answer
+from batching.catalog import EMBEDDER, GENERATOR
+from batching.embeddings import decode
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
@@ -28,10 +30,17 @@ from sampling.validation import check_settings, check_size, parse, sample_reques
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
 ENDPOINTS: dict[str, type[BaseModel]] = {
     COMPLETIONS: schemas.CompletionRequest,
     CHAT: schemas.ChatCompletionRequest,
+    EMBEDDINGS: schemas.EmbeddingRequest,
 }
+
+
+def kind_of(endpoint: str) -> str:
+    """The kind of model (batching.catalog) that serves `endpoint`."""
+    return EMBEDDER if endpoint == EMBEDDINGS else GENERATOR
 
 
 class BadLine(ValueError):
@@ -75,6 +84,8 @@ def request_of(line: Line, endpoint: str, policy: Policy) -> SampleRequest:
     """The line's one sample request, checked as its endpoint checks one; Invalid if the
     endpoint would refuse it."""
     parsed = parse(ENDPOINTS[endpoint], line.body)
+    if isinstance(parsed, schemas.EmbeddingRequest):
+        return _embedding_request(parsed, policy)
     assert isinstance(parsed, schemas._Settings)
     if parsed.stream:
         raise Invalid("stream is not supported in a batch", "stream")
@@ -97,6 +108,16 @@ def request_of(line: Line, endpoint: str, policy: Policy) -> SampleRequest:
     return requests[0]
 
 
+def _embedding_request(parsed: schemas.EmbeddingRequest, policy: Policy) -> SampleRequest:
+    texts = parsed.texts()
+    if len(texts) != 1:
+        raise Invalid("a batch line embeds one input: send one line per text", "input")
+    if parsed.encoding_format != "float":
+        raise Invalid("encoding_format must be float in a batch", "encoding_format")
+    check_size(texts[0], policy, "input")
+    return SampleRequest(prompt=texts[0], dimensions=parsed.dimensions)
+
+
 def refused(invalid: Invalid) -> tuple[int, dict[str, Any]]:
     """A refused line's status and body, as the endpoint words a refusal."""
     error_type = "not_found_error" if invalid.status == 404 else "invalid_request_error"
@@ -108,9 +129,18 @@ def refused(invalid: Invalid) -> tuple[int, dict[str, Any]]:
 def answered(endpoint: str, model: str, answer: Answer) -> tuple[int, dict[str, Any]]:
     """An answered line's status and body, as its endpoint answers interactively."""
     problem = answer.problem
+    if (answer.outcome == ItemOutcome.OK or problem is None) and endpoint == EMBEDDINGS:
+        return 200, embedding_body(model, answer)
     if answer.outcome == ItemOutcome.OK or problem is None:
         tokens = Tokens(answer.prompt_tokens, answer.completion_tokens, 0)
         return 200, completion_body(model, [answer], [answer.text], tokens, chat=endpoint == CHAT)
     error = {"message": answer.text, "type": problem.openai_type, "param": None,
              "code": problem.openai_code}  # fmt: skip
     return problem.status, {"error": error}
+
+
+def embedding_body(model: str, answer: Answer) -> dict[str, Any]:
+    """An embedding line's body, as /v1/embeddings answers one text in floats."""
+    data = [{"object": "embedding", "index": 0, "embedding": decode(answer.text)}]
+    usage = {"prompt_tokens": answer.prompt_tokens, "total_tokens": answer.prompt_tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}

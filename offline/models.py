@@ -106,6 +106,10 @@ class Job(models.Model):
     total = models.PositiveIntegerField(default=0)
     completed = models.PositiveIntegerField(default=0)
     failed = models.PositiveIntegerField(default=0)
+    # The tokens of its lines answered 200, as their bodies' usage says (charged to its key at
+    # the model's batch price as they are written: offline.feeder).
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
     created = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField()
     in_progress_at = models.DateTimeField(null=True, blank=True)
@@ -164,6 +168,13 @@ class Job(models.Model):
                 "total": self.total,
                 "completed": self.completed,
                 "failed": self.failed,
+            },
+            "usage": {
+                "input_tokens": self.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": self.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
             },
             "metadata": self.metadata,
         }

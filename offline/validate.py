@@ -16,17 +16,14 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from batching.catalog import GENERATOR
-from offline.lines import BadLine, Line, model_of, read_line
+from offline.lines import BadLine, Line, kind_of, model_of, read_line
 from offline.models import Job, JobLine, Status
-from offline.yielding import let_requests_run
 from sampling.runtime import WebProcess
 
 log = logging.getLogger(__name__)
 
 MAX_ERRORS = 100
 CREATE_CHUNK = 500
-YIELD_EVERY = 200  # lines read between two yields to the process's requests
 
 
 def checked(process: WebProcess, job: Job) -> None:
@@ -44,9 +41,7 @@ def run(process: WebProcess, job: Job) -> None:
     lines: list[Line] = []
     seen: set[str] = set()
     with job.input_file.content.open("rb") as handle:
-        for count, raw in enumerate(handle):
-            if count % YIELD_EVERY == 0:
-                let_requests_run()
+        for raw in handle:
             if not raw.strip():
                 continue
             index = len(lines) + len(errors)
@@ -70,7 +65,7 @@ def run(process: WebProcess, job: Job) -> None:
         if not lines:
             errors.append(_error("the input file has no line"))
         else:
-            model, problem = _model(process, lines, job.key_id)
+            model, problem = _model(process, lines, job.key_id, kind_of(job.endpoint))
             if problem:
                 errors.append(_error(problem))
     now = timezone.now()
@@ -78,16 +73,15 @@ def run(process: WebProcess, job: Job) -> None:
         job.errors = errors[:MAX_ERRORS]
         job.save(update_fields=["errors", *job.mark(Status.FAILED, now)])
         return
-    # Each chunk its own short transaction, with a yield between (never inside one: a write
-    # transaction held across a yield locks SQLite for every other process). A validation cut
-    # short is done again from the start: its lines are deleted first.
+    # Each chunk its own short transaction: a long write transaction would hold SQLite's lock
+    # from every other process. A validation cut short is done again from the start: its
+    # lines are deleted first.
     JobLine.objects.filter(job=job).delete()
     for start in range(0, len(lines), CREATE_CHUNK):
         JobLine.objects.bulk_create(
             JobLine(job=job, line=line.index, custom_id=line.custom_id)
             for line in lines[start : start + CREATE_CHUNK]
         )
-        let_requests_run()
     with transaction.atomic():
         Job.objects.filter(id=job.id).update(model=model, total=len(lines))
         # Only a job still validating moves on: a cancel meanwhile stands.
@@ -102,7 +96,7 @@ def _error(message: str, index: int | None = None) -> dict[str, Any]:
             "param": None, "line": index + 1 if index is not None else None}  # fmt: skip
 
 
-def _model(process: WebProcess, lines: list[Line], key_id: int) -> tuple[str, str]:
+def _model(process: WebProcess, lines: list[Line], key_id: int, kind: str) -> tuple[str, str]:
     """The one model the lines name (an alias resolved once, for the whole job), or why
     there is none."""
     names = {model_of(line) for line in lines}
@@ -119,6 +113,6 @@ def _model(process: WebProcess, lines: list[Line], key_id: int) -> tuple[str, st
     entry = catalog.models.get(name)
     if entry is None:
         return "", f"the model {name!r} does not exist"
-    if entry.kind != GENERATOR:
-        return "", f"the model {name!r} does not generate text"
+    if entry.kind != kind:
+        return "", f"the model {name!r} is of kind {entry.kind}; the batch's endpoint needs {kind}"
     return name, ""

@@ -191,7 +191,15 @@ class ReadOnlyAdmin(admin.ModelAdmin[Any]):
 
 @admin.register(RegisteredModel)
 class RegisteredModelAdmin(admin.ModelAdmin[RegisteredModel]):
-    list_display = ("name", "kind", "prompt_price", "completion_price", "created", "description")
+    list_display = (
+        "name",
+        "kind",
+        "prompt_price",
+        "completion_price",
+        "batch_price_factor",
+        "created",
+        "description",
+    )
     list_filter = ("kind",)
     search_fields = ("name", "description")
 

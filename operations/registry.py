@@ -62,6 +62,13 @@ class RegisteredModel(models.Model):
         validators=[MinValueValidator(Decimal(0))],
         help_text="Per 1,000 completion tokens.",
     )
+    batch_price_factor = models.DecimalField(
+        max_digits=3,
+        decimal_places=2,
+        default=Decimal(live_catalog.DEFAULT_BATCH_PRICE_FACTOR),
+        validators=[MinValueValidator(Decimal(0)), MaxValueValidator(Decimal(1))],
+        help_text="Offline jobs' tokens (the Batch API) pay the prices times this, 0 to 1.",
+    )
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -79,6 +86,7 @@ class RegisteredModel(models.Model):
             str(self.prompt_price),
             str(self.completion_price),
             int(self.created.timestamp()),
+            str(self.batch_price_factor),
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -13,6 +15,24 @@ JSON = "application/json"
 REF = "#/components/schemas/{model}"
 
 
+@dataclass(frozen=True)
+class DocumentPart:
+    """Paths an app adds to the document (offline.apps: the Files and Batch APIs), and the
+    models their schemas refer to."""
+
+    paths: Callable[[], dict[str, Any]]
+    validated: tuple[type[BaseModel], ...] = ()
+    serialized: tuple[type[BaseModel], ...] = ()
+
+
+_parts: list[DocumentPart] = []
+
+
+def register_part(part: DocumentPart) -> None:
+    if part not in _parts:
+        _parts.append(part)
+
+
 def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": REF.format(model=model.__name__)}
 
@@ -21,19 +41,21 @@ def _content(model: type[BaseModel]) -> dict[str, Any]:
     return {JSON: {"schema": _ref(model)}}
 
 
-def _ok(model: type[BaseModel]) -> dict[str, Any]:
+def ok(model: type[BaseModel]) -> dict[str, Any]:
     return {"description": "OK", "content": _content(model)}
 
 
-def _body(model: type[BaseModel]) -> dict[str, Any]:
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"required": True, "content": _content(model)}
 
 
-def _errors(model: type[BaseModel], *statuses: int) -> dict[str, Any]:
+def errors(model: type[BaseModel], *statuses: int) -> dict[str, Any]:
     reasons = {
         400: "Invalid request: the message and `param` name the problem.",
         401: "A key is required and missing, unknown, revoked or expired.",
-        404: "Unknown model.",
+        404: "Unknown model, file or batch (another key's is unknown too).",
+        409: "The file is the input of a job still running.",
+        413: "The file is over the size limit.",
         429: "The key is over its rate limit: try again after Retry-After.",
         502: "The sampler failed for the batch.",
         503: "Overloaded, the queue unavailable, or the model without a live worker: try "
@@ -48,7 +70,7 @@ def _generation(request: type[BaseModel], answer: type[BaseModel], summary: str)
     return {
         "post": {
             "summary": summary,
-            "requestBody": _body(request),
+            "requestBody": request_body(request),
             "responses": {
                 "200": {
                     "description": "The completion; with `stream`, server-sent events.",
@@ -57,7 +79,7 @@ def _generation(request: type[BaseModel], answer: type[BaseModel], summary: str)
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
-                **_errors(schemas.ErrorResponse, 400, 401, 404, 429, 502, 503, 504),
+                **errors(schemas.ErrorResponse, 400, 401, 404, 429, 502, 503, 504),
             },
         }
     }
@@ -83,10 +105,9 @@ SERIALIZED = (
 INFO = {
     "title": "Sampling service",
     "version": "1",
-    "description": "OpenAI-compatible completions, chat, embeddings and models, a plain JSON "
-    "inference "
-    "API, and each key's usage. POST /sample (a raw prompt in, a plain-text completion out) is "
-    "documented in docs/guides/api.md.",
+    "description": "OpenAI-compatible completions, chat, embeddings, models, files and batches "
+    "(offline jobs), a plain JSON inference API, and each key's usage. POST /sample (a raw "
+    "prompt in, a plain-text completion out) is documented in docs/guides/api.md.",
 }
 
 
@@ -105,6 +126,7 @@ def openapi_document() -> dict[str, Any]:
             **_models(),
             "/api/inference": _inference(),
             "/v1/usage": _usage(),
+            **{path: item for part in _parts for path, item in part.paths().items()},
         },
         "components": {"schemas": _definitions()},
     }
@@ -114,7 +136,9 @@ def _definitions() -> dict[str, Any]:
     """The JSON schemas of the requests as validated and the answers as serialized."""
     _, definitions = models_json_schema(
         [(model, "validation") for model in VALIDATED]
-        + [(model, "serialization") for model in SERIALIZED],
+        + [(model, "validation") for part in _parts for model in part.validated]
+        + [(model, "serialization") for model in SERIALIZED]
+        + [(model, "serialization") for part in _parts for model in part.serialized],
         ref_template=REF,
     )
     return definitions["$defs"]
@@ -124,10 +148,10 @@ def _embeddings() -> dict[str, Any]:
     return {
         "post": {
             "summary": "Embed texts",
-            "requestBody": _body(schemas.EmbeddingRequest),
+            "requestBody": request_body(schemas.EmbeddingRequest),
             "responses": {
-                "200": _ok(schemas.EmbeddingResponse),
-                **_errors(schemas.ErrorResponse, 400, 401, 404, 429, 502, 503, 504),
+                "200": ok(schemas.EmbeddingResponse),
+                **errors(schemas.ErrorResponse, 400, 401, 404, 429, 502, 503, 504),
             },
         }
     }
@@ -140,8 +164,8 @@ def _models() -> dict[str, Any]:
             "get": {
                 "summary": "The served models and aliases with a live worker",
                 "responses": {
-                    "200": _ok(schemas.ModelList),
-                    **_errors(schemas.ErrorResponse, 401),
+                    "200": ok(schemas.ModelList),
+                    **errors(schemas.ErrorResponse, 401),
                 },
             }
         },
@@ -150,8 +174,8 @@ def _models() -> dict[str, Any]:
                 "summary": "One model",
                 "parameters": [model_id],
                 "responses": {
-                    "200": _ok(schemas.Model),
-                    **_errors(schemas.ErrorResponse, 401, 404),
+                    "200": ok(schemas.Model),
+                    **errors(schemas.ErrorResponse, 401, 404),
                 },
             }
         },
@@ -162,10 +186,10 @@ def _inference() -> dict[str, Any]:
     return {
         "post": {
             "summary": "One prompt, the queue's settings",
-            "requestBody": _body(schemas.InferenceRequest),
+            "requestBody": request_body(schemas.InferenceRequest),
             "responses": {
-                "200": _ok(schemas.InferenceResponse),
-                **_errors(schemas.InferenceError, 400, 401, 429, 502, 503, 504),
+                "200": ok(schemas.InferenceResponse),
+                **errors(schemas.InferenceError, 400, 401, 429, 502, 503, 504),
             },
         }
     }
@@ -184,9 +208,9 @@ def _usage() -> dict[str, Any]:
             "summary": "The calling key's usage on one day, per model",
             "parameters": [day],
             "responses": {
-                "200": _ok(schemas.UsageReport),
+                "200": ok(schemas.UsageReport),
                 # 401 also without a key when keys are not required: usage is per key.
-                **_errors(schemas.ErrorResponse, 400, 401, 503),
+                **errors(schemas.ErrorResponse, 400, 401, 503),
             },
         }
     }

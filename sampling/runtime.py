@@ -7,7 +7,6 @@ Built lazily after gunicorn forks (and after gevent patches sockets), once per p
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import random
@@ -47,10 +46,6 @@ _background_jobs: list[BackgroundJob] = []
 AccessRepublisher = Callable[[redis.Redis], object]
 _access_republishers: list[AccessRepublisher] = []
 
-# A loop of its own in each web process, off the request path: (name, job(process),
-# interval s). The offline jobs' feeder registers here (offline.apps).
-ProcessJob = Callable[["WebProcess"], None]
-_process_loops: list[tuple[str, ProcessJob, float]] = []
 
 _web: dict[int, WebProcess] = {}
 
@@ -58,11 +53,6 @@ _web: dict[int, WebProcess] = {}
 def register_background_job(job: BackgroundJob) -> None:
     if job not in _background_jobs:
         _background_jobs.append(job)
-
-
-def register_process_loop(name: str, job: ProcessJob, interval_s: float) -> None:
-    if all(registered != name for registered, _, _ in _process_loops):
-        _process_loops.append((name, job, interval_s))
 
 
 @dataclass
@@ -176,10 +166,6 @@ class WebProcess:
         self.jobs_loop = PeriodicLoop(
             "background-jobs", self._run_jobs, BACKGROUND_JOB_INTERVAL_S, first_wait_s=first_jobs_s
         )
-        self.process_loops = [
-            PeriodicLoop(name, functools.partial(job, self), interval_s, f"run {name}")
-            for name, job, interval_s in _process_loops
-        ]
 
     def model(self, name: str) -> ServedModel:
         """The model `name` as this process serves it, made (and its watcher started) on
@@ -220,8 +206,6 @@ class WebProcess:
         self.access.start()
         self.flush_loop.start()
         self.jobs_loop.start()
-        for loop in self.process_loops:
-            loop.start()
 
     def _refresh_token_charges(self) -> None:
         if self.access.limits_tokens:

@@ -90,6 +90,9 @@ class Stack:
     # Each worker's model and sampler, in order (None: SAMPLING_QUEUE's, with SAMPLER).
     worker_models: list[tuple[str, str] | None] = field(default_factory=list)
     web: subprocess.Popen[bytes] | None = None
+    # The offline jobs' feeder (`manage.py runfeeder`); False: none started.
+    feeds: bool = True
+    feeder: subprocess.Popen[bytes] | None = None
     # Where each web process marks itself booted (gunicorn.conf.py's post_worker_init): None
     # when the config is not this tree's, which may not mark (an older checkout benchmarked).
     _ready_dir: Path | None = None
@@ -124,6 +127,8 @@ class Stack:
         for gpu, model in self.worker_plan():
             self.start_worker(gpu, model)
         self.start_web()
+        if self.feeds:
+            self.start_feeder()
         self.wait_ready(timeout_s, need_worker=bool(self.gpus))
         return self
 
@@ -194,11 +199,20 @@ class Stack:
         )  # fmt: skip
         return self.web
 
+    def start_feeder(self) -> subprocess.Popen[bytes]:
+        output = self._output("feeder")
+        self.feeder = subprocess.Popen(
+            [sys.executable, str(self.root / "manage.py"), "runfeeder"], cwd=self.root,
+            env=self.environment(), stdout=output, stderr=subprocess.STDOUT if output else None,
+            start_new_session=True,
+        )  # fmt: skip
+        return self.feeder
+
     def wait_ready(self, timeout_s: float, need_worker: bool = True) -> None:
         path = "/readyz" if need_worker else "/healthz"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for process in [self.web, *self.workers]:
+            for process in [self.web, self.feeder, *self.workers]:
                 if process is not None and process.poll() is not None:
                     raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
             # Every web process booted, not only the first to answer: a request accepted by one
@@ -234,6 +248,8 @@ class Stack:
     def stop(self) -> None:
         if self.web is not None:
             self.stop_process(self.web)
+        if self.feeder is not None:
+            self.stop_process(self.feeder)
         for worker in self.workers:
             self.stop_process(worker)
         if self.redis is not None:
@@ -284,13 +300,15 @@ class _Supervised:
 
 class Supervisor:
     """Keeps a started stack's processes running, as systemd does the deployed units: each
-    worker (a hung call ends its process on purpose) and gunicorn's master."""
+    worker (a hung call ends its process on purpose), gunicorn's master and the feeder."""
 
     def __init__(self, stack: Stack, say: Callable[[str], None] | None = None) -> None:
         now = time.monotonic()
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         assert stack.web is not None, "start the stack first"
         self.processes = [_Supervised("gunicorn", stack.web, stack.start_web, now)]
+        if stack.feeder is not None:
+            self.processes.append(_Supervised("feeder", stack.feeder, stack.start_feeder, now))
         for index, worker in enumerate(stack.workers):
             gpu, model = stack.worker_gpus[index], stack.worker_models[index]
             name = f"worker {'cpu' if gpu is None else f'gpu{gpu}'}"
@@ -366,8 +384,8 @@ def main() -> None:
         kind = "GPU" if gpus != [None] else "CPU (no GPU found)"
         models = sorted({model[0] for _, model in plan if model is not None})
         served = f" for {', '.join(models)}" if models else ""
-        print(f"Starting {len(plan)} {kind} worker(s){served} and gunicorn on {where} ...",
-              flush=True)  # fmt: skip
+        print(f"Starting {len(plan)} {kind} worker(s){served}, gunicorn and the feeder on "
+              f"{where} ...", flush=True)  # fmt: skip
         stack.start(timeout_s=300)
         print(
             f"\nReady: {stack.base_url}  (Ctrl-C stops everything)\n"

@@ -325,7 +325,9 @@ def test_the_openapi_document_describes_every_endpoint(api: Stack) -> None:
     document = json.loads(reply.body)
     assert set(document["paths"]) == {
         "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models",
-        "/v1/models/{model_id}", "/api/inference", "/v1/usage",
+        "/v1/models/{model_id}", "/api/inference", "/v1/usage", "/v1/files",
+        "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
+        "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel",
     }  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """Offline jobs as a client runs them, with the `openai` client: a stack of their own (a
-database of its own: every web process feeds the jobs of its database), a key, JSONL lines,
+database of its own: its feeder feeds every job of its database), a key, JSONL lines,
 a job run to its end, its output and error files read back."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from inference_site.lib.stack import ROOT, Stack, migrated_database
 from tests.support.keys import create_key
 from tests.support.waiting import wait_until
 
-CHAT: Literal["/v1/chat/completions"] = "/v1/chat/completions"
+Endpoint = Literal["/v1/chat/completions", "/v1/embeddings"]
+CHAT: Endpoint = "/v1/chat/completions"
+EMBEDDINGS: Endpoint = "/v1/embeddings"
 ENDED = ("completed", "failed", "cancelled", "expired")
 
 
@@ -67,11 +69,11 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 
 
-def create(client: OpenAI, lines: list[dict[str, Any]]) -> Batch:
+def create(client: OpenAI, lines: list[dict[str, Any]], endpoint: Endpoint = CHAT) -> Batch:
     content = jsonl(lines)
     uploaded = client.files.create(file=("input.jsonl", io.BytesIO(content)), purpose="batch")
     assert uploaded.bytes == len(content)
-    created = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
+    created = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint,
                                     completion_window="24h")  # fmt: skip
     assert created.status == "validating"
     return created

@@ -7,6 +7,7 @@ import pytest
 import redis
 
 from batching.catalog import (
+    DEFAULT_BATCH_PRICE_FACTOR,
     EMBEDDER,
     GENERATOR,
     Alias,
@@ -86,3 +87,23 @@ def test_the_watcher_puts_the_published_catalog_over_the_environment_s(
         assert watcher.current == base
     finally:
         redis_client.delete(key)
+
+
+def test_an_offline_job_s_price_is_the_price_times_the_factor_rounded_down() -> None:
+    entry = ModelEntry("m", prompt_price="1.5", completion_price="0.000003",
+                       batch_price_factor="0.5")  # fmt: skip
+    assert (entry.price.prompt_nanos, entry.price.completion_nanos) == (1_500_000, 3)
+    # 3 billionths a token at half: 1.5, charged 1 (never more than the factor says).
+    assert (entry.batch_price.prompt_nanos, entry.batch_price.completion_nanos) == (750_000, 1)
+    assert ModelEntry("m").batch_price_factor == DEFAULT_BATCH_PRICE_FACTOR
+
+
+def test_a_catalog_without_batch_factors_reads_with_the_default_and_a_bad_one_is_refused() -> None:
+    older = (
+        '{"version": 1, "aliases": [], "models": [{"name": "m", "kind": "generator", '
+        '"description": "", "prompt_price": "1", "completion_price": "1", "created": 0}]}'
+    )
+    assert Catalog.from_json(older).models["m"].batch_price_factor == DEFAULT_BATCH_PRICE_FACTOR
+    assert Catalog.from_json(Catalog.of([ModelEntry("m")]).to_json()).models["m"] == ModelEntry("m")
+    with pytest.raises(ValueError, match="batch price factor"):
+        Catalog.from_json(Catalog.of([ModelEntry("m", batch_price_factor="1.5")]).to_json())

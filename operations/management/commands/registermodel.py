@@ -1,7 +1,7 @@
 """`python manage.py registermodel NAME [--kind generator|embedder] [--description TEXT]
-[--prompt-price P] [--completion-price P]`: register a model, or change a registered one
-(`--delete`: unregister it). Published to Redis at once: every web process serves it as saved
-within a second or two."""
+[--prompt-price P] [--completion-price P] [--batch-price-factor F]`: register a model, or
+change a registered one (`--delete`: unregister it). Published to Redis at once: every web
+process serves it as saved within a second or two."""
 
 from __future__ import annotations
 
@@ -33,6 +33,12 @@ class Command(BaseCommand):
         parser.add_argument("--description")
         parser.add_argument("--prompt-price", type=_price, help="per 1,000 prompt tokens")
         parser.add_argument("--completion-price", type=_price, help="per 1,000 completion tokens")
+        parser.add_argument(
+            "--batch-price-factor",
+            type=_price,
+            help="offline jobs pay the prices times this, 0 to 1 (default "
+            f"{catalog.DEFAULT_BATCH_PRICE_FACTOR})",
+        )
         parser.add_argument("--delete", action="store_true", help="unregister the model")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -43,7 +49,13 @@ class Command(BaseCommand):
                 self._delete(found, name)
                 return
             model = found or RegisteredModel(name=name)
-            for field in ("kind", "description", "prompt_price", "completion_price"):
+            for field in (
+                "kind",
+                "description",
+                "prompt_price",
+                "completion_price",
+                "batch_price_factor",
+            ):
                 if options[field] is not None:
                     setattr(model, field, options[field])
             try:
@@ -54,7 +66,8 @@ class Command(BaseCommand):
         self.stdout.write(
             f"model {name} {'changed' if found else 'registered'} ({model.kind}, "
             f"{model.prompt_price} / {model.completion_price} per 1,000 prompt / completion "
-            f"tokens); served as saved within {catalog.POLL_INTERVAL_S * 2:g} s"
+            f"tokens, offline jobs x {model.batch_price_factor}); served as saved within "
+            f"{catalog.POLL_INTERVAL_S * 2:g} s"
         )
 
     def _delete(self, found: RegisteredModel | None, name: str) -> None:

@@ -1,0 +1,83 @@
+"""The Files and Batch APIs' part of the OpenAPI document (sampling.openapi asks for it:
+offline.apps registers it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from offline import schemas
+from sampling.openapi import errors, ok, request_body
+from sampling.schemas import ErrorResponse
+
+SERIALIZED: tuple[type[BaseModel], ...] = (
+    schemas.FileObject,
+    schemas.FileList,
+    schemas.FileDeleted,
+    schemas.Batch,
+    schemas.BatchList,
+)
+VALIDATED: tuple[type[BaseModel], ...] = (schemas.BatchCreateRequest,)
+
+
+def _path(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _list_query(*extra: dict[str, Any]) -> list[dict[str, Any]]:
+    limit = {"name": "limit", "in": "query", "required": False,
+             "schema": {"type": "integer", "minimum": 1, "maximum": 100}}  # fmt: skip
+    return [limit, *extra]
+
+
+def _operation(
+    summary: str, answer: type[BaseModel], *statuses: int, **more: Any
+) -> dict[str, Any]:
+    return {"summary": summary, **more,
+            "responses": {"200": ok(answer), **errors(ErrorResponse, 401, *statuses)}}  # fmt: skip
+
+
+def paths() -> dict[str, Any]:
+    upload = {
+        "required": True,
+        "content": {"multipart/form-data": {"schema": {
+            "type": "object", "required": ["file", "purpose"],
+            "properties": {"file": {"type": "string", "format": "binary"},
+                           "purpose": {"type": "string", "enum": ["batch"]}},
+        }}},
+    }  # fmt: skip
+    after = {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}}
+    purpose = {"name": "purpose", "in": "query", "required": False, "schema": {"type": "string"}}
+    file_id, batch_id = [_path("file_id")], [_path("batch_id")]
+    return {
+        "/v1/files": {
+            "get": _operation("The key's files", schemas.FileList, 400,
+                              parameters=_list_query(purpose)),
+            "post": _operation("Upload a JSONL file of requests", schemas.FileObject, 400, 413,
+                               requestBody=upload),
+        },
+        "/v1/files/{file_id}": {
+            "get": _operation("One file", schemas.FileObject, 404, parameters=file_id),
+            "delete": _operation("Delete a file", schemas.FileDeleted, 404, 409,
+                                 parameters=file_id),
+        },
+        "/v1/files/{file_id}/content": {
+            "get": {"summary": "A file's content (JSONL)", "parameters": file_id,
+                    "responses": {"200": {"description": "OK", "content": {
+                        "application/jsonl": {"schema": {"type": "string"}}}},
+                        **errors(ErrorResponse, 401, 404)}},
+        },
+        "/v1/batches": {
+            "get": _operation("The key's offline jobs, newest first", schemas.BatchList, 400,
+                              parameters=_list_query(after)),
+            "post": _operation("Create an offline job of a file", schemas.Batch, 400, 404,
+                               requestBody=request_body(schemas.BatchCreateRequest)),
+        },
+        "/v1/batches/{batch_id}": {
+            "get": _operation("One offline job", schemas.Batch, 404, parameters=batch_id),
+        },
+        "/v1/batches/{batch_id}/cancel": {
+            "post": _operation("Cancel an offline job", schemas.Batch, 404, parameters=batch_id),
+        },
+    }  # fmt: skip
