@@ -1,9 +1,12 @@
 """Offline jobs beside requests: what a job costs them, and how much of the empty places it fills.
 
     .venv/bin/python -m bench backfill [--rounds 5] [--seconds 10] [--max-batch 100]
+        [--workers 1]
 
-One simulated GPU (100 ms calls of up to `--max-batch`: a limit of max-batch x 10 requests a
-second) behind two gevent web processes, on an embedded Redis, with a database of its own.
+`--workers` simulated GPUs (100 ms calls of up to `--max-batch`: a limit of workers x
+max-batch x 10 requests a second) behind two gevent web processes and the feeder, on an
+embedded Redis, with a database of its own. With several GPUs and no load
+(`--workers 4 --loads 0`), the job's rate is what one feeder writes, not what the GPUs run.
 At each load (0, 10, 50, 90 and 100% of the limit), `--seconds` of open-loop Poisson
 requests to /sample, once without a job and once while a job of `--job-lines` chat lines
 (50,000) runs, in alternating order round after round; the job is created (and validated,
@@ -54,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="per window, default 10")
     parser.add_argument("--max-batch", type=int, default=100, help="default 100")
     parser.add_argument("--job-lines", type=int, default=50_000, help="default 50,000")
+    parser.add_argument("--workers", type=int, default=1, help="simulated GPUs, default 1")
     parser.add_argument(
         "--loads", default="0,10,50,90,100", help="percents of the limit, default 0,10,50,90,100"
     )
@@ -111,7 +115,7 @@ def _answered(client: OpenAI, job_id: str) -> int:
 def _window(
     stack: Stack, client: OpenAI, args: argparse.Namespace, load: float, job: bool, tag: str
 ) -> dict[str, float]:
-    limit = args.max_batch * 1000 / CALL_MS
+    limit = _limit(args)
     job_id = _job(client, stack.env["SAMPLING_QUEUE"], args.job_lines, tag) if job else ""
     answered, places = (_answered(client, job_id) if job else 0), _places(stack)
     started = time.monotonic()
@@ -140,13 +144,17 @@ def _window(
     return figures
 
 
+def _limit(args: argparse.Namespace) -> float:
+    return args.workers * args.max_batch * 1000 / CALL_MS
+
+
 def main(args: argparse.Namespace) -> None:
     print(describe_machine(), flush=True)
     server = EmbeddedRedis().start()
     files = Path(tempfile.mkdtemp(prefix="bench-backfill-"))
     env = simulated_env(server.url, new_queue("backfill"), call_ms=CALL_MS,
                         max_batch=args.max_batch, SAMPLING_FILES_DIR=str(files))  # fmt: skip
-    stack = simulated_stack(env, [None])
+    stack = simulated_stack(env, [None] * args.workers)
     runs: dict[tuple[float, bool], list[dict[str, float]]] = {}
     loads = [int(percent) / 100 for percent in args.loads.split(",")]
     try:
@@ -191,9 +199,10 @@ def _table(
             number(of(load, False, "p99")), number(of(load, True, "p99")),
             number(of(load, True, "job_rps")), *(share(load, name) for name in FILLED),
         ])  # fmt: skip
-    limit = args.max_batch * 1000 / CALL_MS
+    limit = _limit(args)
     title = (
-        f"One simulated GPU, {CALL_MS} ms calls of up to {args.max_batch} (limit {limit:g}/s); "
+        f"{args.workers} simulated GPU(s), {CALL_MS} ms calls of up to {args.max_batch} "
+        f"(limit {limit:g}/s); "
         f"medians of {args.rounds} rounds of {args.seconds:g} s windows"
     )
     header = ["load", "goodput/s", "with job", "p50 ms", "with job", "p99 ms", "with job",

@@ -5,12 +5,14 @@ against gunicorn alone."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from django.conf import settings
@@ -22,6 +24,7 @@ from inference_site.lib.stack import Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request
+from tests.support.keys import create_key
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
@@ -41,10 +44,12 @@ def _require_nginx() -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(start_stack: Callable[..., Stack]) -> Stack:
+def stack(start_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory) -> Stack:
     """One simulated GPU behind one gunicorn process: gunicorn's 2,000 connections."""
     _require_nginx()
-    env = {"SAMPLER": "simulated", "WEB_WORKER_CONNECTIONS": str(WORKER_CONNECTIONS)}
+    files = tmp_path_factory.mktemp("nginx-files")
+    env = {"SAMPLER": "simulated", "WEB_WORKER_CONNECTIONS": str(WORKER_CONNECTIONS),
+           "SAMPLING_FILES_DIR": str(files)}  # fmt: skip
     return start_stack("nginx", env=env, web_processes=1)
 
 
@@ -131,6 +136,35 @@ def test_body_limit_is_what_the_service_reads(nginx: Nginx) -> None:
     at_limit = request(nginx.base_url, "/sample", b"x" * limit)
     assert 400 <= at_limit.status < 500, at_limit
     assert "x-frame-options" in at_limit.headers, at_limit
+
+
+def test_a_batch_file_over_the_body_limit_passes_on_v1_files_only(
+    stack: Stack, nginx: Nginx, tmp_path: Path
+) -> None:
+    key = create_key(stack, "nginx-files")
+    auth = f"Authorization: Bearer {key}"
+    wait_until(lambda: curl("-H", auth, f"{nginx.base_url}/v1/files")[0] == 200,
+               what="the key known")  # fmt: skip
+    # A file several times the body limit of every other path.
+    big = tmp_path / "big.jsonl"
+    line = json.dumps({"custom_id": "x" * 40, "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "m", "prompt": "p" * 900}}) + "\n"  # fmt: skip
+    big.write_text(line * (4 * settings.DATA_UPLOAD_MAX_MEMORY_SIZE // len(line)))
+    status, body = curl("-H", auth, "-F", "purpose=batch", "-F", f"file=@{big}",
+                        f"{nginx.base_url}/v1/files")  # fmt: skip
+    assert status == 200, body
+    assert json.loads(body)["bytes"] == big.stat().st_size
+    status, _ = curl("-H", auth, "-H", "Content-Type: application/json", "--data-binary",
+                     f"@{big}", f"{nginx.base_url}/v1/completions")  # fmt: skip
+    assert status == 413
+    # Over the file limit (and the form around it), nginx refuses before the service reads
+    # a byte of it.
+    huge = tmp_path / "huge.jsonl"
+    with huge.open("wb") as handle:
+        handle.truncate(settings.SAMPLING_BATCH_FILE_MAX_BYTES + 2 * 1024 * 1024)
+    status, _ = curl("-H", auth, "-H", "Expect: 100-continue", "-F", "purpose=batch", "-F",
+                     f"file=@{huge}", f"{nginx.base_url}/v1/files")  # fmt: skip
+    assert status == 413
 
 
 def test_slow_clients_cost_nginx_not_gunicorn(stack: Stack, nginx: Nginx) -> None:
