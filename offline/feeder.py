@@ -58,8 +58,10 @@ FEED_INTERVAL_S = 0.25
 # The lock outlives a run by far (a file of 50,000 lines validates in a few seconds): two
 # feeders at once would trim each other's answers. A dead holder's lock expires after this.
 LOCK_TTL_S = 60.0
-# Items kept waiting per live worker of a model: this many of its calls' worth.
-AHEAD_CALLS = 8
+# Items kept waiting per live worker of a model: this many of its calls' worth (2 s of an
+# idle GPU: a worker that finds the lane empty takes none until its next heartbeat, so a
+# feeder's slow run must not empty it).
+AHEAD_CALLS = 20
 # Answers collected per shard and run at most.
 COLLECT_AT_MOST = 5000
 # Lines written in one transaction.

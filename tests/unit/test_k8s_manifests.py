@@ -653,3 +653,27 @@ def test_the_gpu_workers_scale_on_the_gpu_recommendation(
         up = behavior.get("scaleUp", {}).get("stabilizationWindowSeconds", 0)
         down = behavior.get("scaleDown", {}).get("stabilizationWindowSeconds", 300)
         assert down > up, f"{ident(scaler)}: scale-down window {down} s, scale-up {up} s"
+
+
+def test_one_feeder_reads_the_files_the_web_pods_write(objects: tuple[Obj, ...]) -> None:
+    """The offline jobs' feeder: one pod of the web pods' image, settings and database, with
+    the files volume mounted where the web pods mount it."""
+
+    def files_mount(deployment: Obj, container: Obj) -> tuple[str, str]:
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        for mount in container.get("volumeMounts", []):
+            claim = volumes[mount["name"]].get("persistentVolumeClaim")
+            if claim:
+                return claim["claimName"], mount["mountPath"]
+        raise AssertionError(f"{ident(deployment)} mounts no claim")
+
+    feeders = running(objects, "runfeeder")
+    assert len(feeders) == 1
+    feeder, container = feeders[0]
+    assert feeder["spec"]["replicas"] == 1
+    (web, web_container), *_ = running(objects, "gunicorn")
+    assert image_name(container) == image_name(web_container)
+    assert files_mount(feeder, container) == files_mount(web, web_container)
+    env, web_env = environment(container, objects), environment(web_container, objects)
+    for name in ("DATABASE_URL", "REDIS_URL", "SAMPLING_QUEUE"):
+        assert env.get(name) == web_env.get(name), name
