@@ -10,71 +10,26 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.http import FileResponse, HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
-from django.views.decorators.csrf import csrf_exempt
 
 from batching.access import Caller
-from batching.problems import Failure
-from batching.topology import REDIS_FAULTS
 from offline.lines import ENDPOINTS
 from offline.models import ACTIVE, Job, Purpose, Status, StoredFile
-from sampling.responses import Invalid, json_response, openai_failure, openai_invalid
-from sampling.runtime import web_process
-from sampling.wrappers import answer_failure, authenticate, redis_away
+from sampling.responses import Invalid, json_response
+from sampling.wrappers import openai_endpoint
 
-P = ParamSpec("P")
+# Every endpoint here: its objects belong to a key.
+keyed = functools.partial(openai_endpoint, key_for="files and batches belong to an API key")
 Owned = TypeVar("Owned", StoredFile, Job)
 COMPLETION_WINDOW = "24h"
 LIST_LIMIT = (1, 100)
-
-
-def openai_endpoint(
-    *methods: str,
-) -> Callable[
-    [Callable[Concatenate[HttpRequest, Caller, P], HttpResponseBase]],
-    Callable[Concatenate[HttpRequest, P], HttpResponseBase],
-]:
-    """An endpoint of the API around `view(request, caller, ...)`: another method gets 405,
-    the caller must send an API key (401), and what the view refuses (an `Invalid`) is worded
-    in OpenAI's error JSON."""
-
-    def decorate(
-        view: Callable[Concatenate[HttpRequest, Caller, P], HttpResponseBase],
-    ) -> Callable[Concatenate[HttpRequest, P], HttpResponseBase]:
-        @csrf_exempt
-        @functools.wraps(view)
-        def wrapped(request: HttpRequest, /, *args: P.args, **kwargs: P.kwargs) -> HttpResponseBase:
-            try:
-                if request.method not in methods:
-                    raise Invalid(f"use {' or '.join(methods)} on {request.path}", status=405,
-                                  code="method_not_allowed",
-                                  headers={"Allow": ", ".join(methods)})  # fmt: skip
-                caller = authenticate(request, web_process())
-                if isinstance(caller, Failure):
-                    return answer_failure(openai_failure, caller)
-                if caller.key_id == 0:
-                    raise Invalid(
-                        "files and batches belong to an API key: send Authorization: Bearer "
-                        "<key>", status=401, code="missing_api_key",
-                        headers={"WWW-Authenticate": 'Bearer realm="sampling"'},
-                    )  # fmt: skip
-                return view(request, caller, *args, **kwargs)
-            except Invalid as invalid:
-                return openai_invalid(invalid)
-            except REDIS_FAULTS as exc:
-                return answer_failure(openai_failure, redis_away(exc))
-
-        return wrapped
-
-    return decorate
 
 
 def _page(objects: list[dict[str, Any]], limit: int) -> HttpResponse:
@@ -99,7 +54,7 @@ def _limit(request: HttpRequest, default: int) -> int:
 
 
 # --- files --------------------------------------------------------------------------------
-@openai_endpoint("GET", "POST")
+@keyed("GET", "POST")
 def files(request: HttpRequest, caller: Caller) -> HttpResponse:
     if request.method == "GET":
         limit = _limit(request, 100)
@@ -147,7 +102,7 @@ def _own_file(caller: Caller, file_id: str) -> StoredFile:
     return _owned(StoredFile, caller, file_id)
 
 
-@openai_endpoint("GET", "DELETE")
+@keyed("GET", "DELETE")
 def file(request: HttpRequest, caller: Caller, file_id: str) -> HttpResponse:
     found = _own_file(caller, file_id)
     if request.method == "DELETE":
@@ -160,7 +115,7 @@ def file(request: HttpRequest, caller: Caller, file_id: str) -> HttpResponse:
     return json_response(200, found.as_openai())
 
 
-@openai_endpoint("GET")
+@keyed("GET")
 def file_content(request: HttpRequest, caller: Caller, file_id: str) -> HttpResponseBase:
     found = _own_file(caller, file_id)
     response = FileResponse(found.content.open("rb"), content_type="application/jsonl")
@@ -169,7 +124,7 @@ def file_content(request: HttpRequest, caller: Caller, file_id: str) -> HttpResp
 
 
 # --- batches ------------------------------------------------------------------------------
-@openai_endpoint("GET", "POST")
+@keyed("GET", "POST")
 def batches(request: HttpRequest, caller: Caller) -> HttpResponse:
     if request.method == "GET":
         limit = _limit(request, 20)
@@ -215,12 +170,12 @@ def _own_job(caller: Caller, job_id: str) -> Job:
     return _owned(Job, caller, job_id)
 
 
-@openai_endpoint("GET")
+@keyed("GET")
 def batch(request: HttpRequest, caller: Caller, job_id: str) -> HttpResponse:
     return json_response(200, _own_job(caller, job_id).as_openai())
 
 
-@openai_endpoint("POST")
+@keyed("POST")
 def cancel(request: HttpRequest, caller: Caller, job_id: str) -> HttpResponse:
     """A running job stops being fed at once; the feeder withdraws its waiting items and,
     once its taken ones are answered, writes what is done and marks it cancelled."""

@@ -31,7 +31,7 @@ from batching.topology import REDIS_FAULTS
 from inference_site.redis_client import redis_client
 from operations.models import ApiKey, UsageMinute, known_queues
 from sampling.responses import Invalid, json_response
-from sampling.wrappers import openai_get
+from sampling.wrappers import openai_endpoint
 
 
 @dataclass
@@ -198,18 +198,11 @@ def _day(raw: str | None, today: date) -> date:
     return day
 
 
-@openai_get
+@openai_endpoint("GET", "HEAD", key_for="usage is counted per API key")
 def usage_view(request: HttpRequest, caller: Caller) -> HttpResponse | Failure:
     """The calling key's usage per model on one UTC day (?date=, by default today), in the
     shape `{"object": "list", "date", "data": [{"model", "usage": {...}, "requests": {...}}]}`;
     requests without a key get 401 (usage is per key)."""
-    if caller.key_id == 0:
-        raise Invalid(
-            "usage is counted per API key: send Authorization: Bearer <key>",
-            status=401,
-            code="missing_api_key",
-            headers={"WWW-Authenticate": 'Bearer realm="sampling"'},
-        )
     now = datetime.now(tz=UTC)
     day = _day(request.GET.get("date"), now.date())
     try:

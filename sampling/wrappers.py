@@ -2,8 +2,10 @@
 
 - `counted(handle, words)`: a generating endpoint (/sample, /v1 completions and chat,
   /api/inference): shed, authenticated, rate limited, counted.
-- `openai_get(view)`: a GET endpoint of the API (/v1/models, /v1/usage): 405 for another
-  method, authenticated, its refusals in OpenAI's error JSON.
+- `openai_endpoint(*methods, key_for=...)(view)`: an endpoint of the API that generates
+  nothing (/v1/models, /v1/usage, files and batches): 405 for another method,
+  authenticated (a key required where `key_for` says why), its refusals in OpenAI's error
+  JSON; `openai_get` for the GETs.
 - `authenticate(request, process)` and `answer_failure(words, failure)`: the two steps both
   share, usable alone.
 
@@ -189,34 +191,59 @@ def _shed(process: WebProcess, arrival: float) -> tuple[ShedReason, Failure] | N
     return reason, Failure(Problem.OVERLOADED, message)
 
 
+def require_method(request: HttpRequest, *methods: str) -> None:
+    if request.method not in methods:
+        raise Invalid(f"use {' or '.join(methods)} on {request.path}", status=405,
+                      code="method_not_allowed", headers={"Allow": ", ".join(methods)})  # fmt: skip
+
+
 def require_get(request: HttpRequest) -> None:
-    if request.method not in ("GET", "HEAD"):
-        raise Invalid(f"use GET on {request.path}", status=405, code="method_not_allowed",
-                      headers={"Allow": "GET, HEAD"})  # fmt: skip
+    require_method(request, "GET", "HEAD")
 
 
-def openai_get(
-    view: Callable[Concatenate[HttpRequest, Caller, P], HttpResponse | Failure],
-) -> Callable[Concatenate[HttpRequest, P], HttpResponse]:
-    """A GET endpoint of the API around `view(request, caller, ...)`: another method gets 405
-    (not the CSRF page), the caller is authenticated (401), and what the view refuses (an
-    `Invalid` raised, a `Failure` returned) is worded in OpenAI's error JSON."""
+def require_key(caller: Caller, why: str) -> None:
+    """401 for an anonymous caller of an endpoint whose objects belong to a key (`why`)."""
+    if caller.key_id == 0:
+        raise Invalid(f"{why}: send Authorization: Bearer <key>", status=401,
+                      code="missing_api_key",
+                      headers={"WWW-Authenticate": 'Bearer realm="sampling"'})  # fmt: skip
 
-    @csrf_exempt
-    @functools.wraps(view)
-    def wrapped(request: HttpRequest, /, *args: P.args, **kwargs: P.kwargs) -> HttpResponse:
-        try:
-            require_get(request)
-            caller = authenticate(request, web_process())
-            if isinstance(caller, Failure):
-                return answer_failure(openai_failure, caller)
-            answer = view(request, caller, *args, **kwargs)
-        except Invalid as invalid:
-            return openai_invalid(invalid)
-        except REDIS_FAULTS as exc:
-            answer = redis_away(exc)
-        if isinstance(answer, Failure):
-            return answer_failure(openai_failure, answer)
-        return answer
 
-    return wrapped
+KeyedView = Callable[Concatenate[HttpRequest, Caller, P], HttpResponseBase | Failure]
+
+
+def openai_endpoint(
+    *methods: str, key_for: str = ""
+) -> Callable[[KeyedView[P]], Callable[Concatenate[HttpRequest, P], HttpResponseBase]]:
+    """An endpoint of the API around `view(request, caller, ...)`: another method than
+    `methods` gets 405 (not the CSRF page), the caller is authenticated (401; with `key_for`,
+    why a key is needed, an anonymous caller too), and what the view refuses (an `Invalid`
+    raised, a `Failure` returned, Redis away) is worded in OpenAI's error JSON."""
+
+    def decorate(view: KeyedView[P]) -> Callable[Concatenate[HttpRequest, P], HttpResponseBase]:
+        @csrf_exempt
+        @functools.wraps(view)
+        def wrapped(request: HttpRequest, /, *args: P.args, **kwargs: P.kwargs) -> HttpResponseBase:
+            try:
+                require_method(request, *methods)
+                caller = authenticate(request, web_process())
+                if isinstance(caller, Failure):
+                    return answer_failure(openai_failure, caller)
+                if key_for:
+                    require_key(caller, key_for)
+                answer = view(request, caller, *args, **kwargs)
+            except Invalid as invalid:
+                return openai_invalid(invalid)
+            except REDIS_FAULTS as exc:
+                answer = redis_away(exc)
+            if isinstance(answer, Failure):
+                return answer_failure(openai_failure, answer)
+            return answer
+
+        return wrapped
+
+    return decorate
+
+
+# A GET endpoint of the API (/v1/models, /v1/usage).
+openai_get = openai_endpoint("GET", "HEAD")
