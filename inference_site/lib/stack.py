@@ -127,7 +127,11 @@ class Stack:
         for gpu, model in self.worker_plan():
             self.start_worker(gpu, model)
         self.start_web()
-        if self.feeds:
+        # An older tree (a benchmark's baseline) may have no feeder to start.
+        if (
+            self.feeds
+            and (self.root / "offline" / "management" / "commands" / "runfeeder.py").exists()
+        ):
             self.start_feeder()
         self.wait_ready(timeout_s, need_worker=bool(self.gpus))
         return self
