@@ -12,6 +12,7 @@ its `seed`, else fresh); max tokens keeps the first words (`length`); a stop str
 text before it (`stop`). A chat is rendered with batching.generation.render_chat_plain.
 
 It streams (`complete_streaming`): a streaming row's words arrive spread over the call.
+A call lasts SIMULATED_BATCH_MS in all: the answers are shaped within it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 import random
 import re
 import time
+from dataclasses import dataclass
 
 from batching.generation import Completion, FinishReason, Row, RowSettings, cut_at_stop
 from workers.samplers.base import PromptRejected, Sampler, StreamSink
@@ -94,64 +96,75 @@ def expected_completion(prompt: str, extra_words: int = 0) -> str:
     return text
 
 
+@dataclass
+class _Call:
+    """A `complete` in progress: its rows and sink, and the answers `sample` shaped for them
+    within the call's time."""
+
+    rows: list[Row]
+    sink: StreamSink | None
+    answers: list[Completion | PromptRejected] | None = None
+
+
 class SimulatedSampler(Sampler):
     name = "simulated"
 
     def __init__(self, batch_ms: float = 100.0, extra_words: int = 0) -> None:
         self.batch_ms = batch_ms
         self.extra_words = extra_words
-        # While a streaming call runs: its pieces (share of the call, row, text) and its sink.
-        self._streaming: tuple[list[tuple[float, int, str]], StreamSink] | None = None
+        self._call: _Call | None = None  # while `complete` runs
 
     def sample(self, prompts: list[str]) -> list[str | PromptRejected]:
+        """The call: SIMULATED_BATCH_MS from its start to its end, whatever it computes. Under
+        `complete`, it shapes the rows' answers (their settings, their tokens) within that
+        time too, as a model's call does: a call of 100 API rows took 1 ms longer when they
+        were shaped after it."""
         started = time.perf_counter()
         completions: list[str | PromptRejected] = [
             expected_completion(p, self.extra_words) for p in prompts
         ]
-        self._wait_out_call(started)
+        call = self._call
+        if call is not None and len(call.rows) == len(prompts):
+            call.answers = self._completions(call.rows, completions)
+        self._wait_out_call(started, call)
         return completions
 
     def complete(self, rows: list[Row]) -> list[Completion | PromptRejected]:
-        texts = self.sample([row.prompt for row in rows])  # the call (and a probe's hooks)
-        return self._completions(rows, texts)
+        return self._complete(rows, None)
 
     def complete_streaming(
         self, rows: list[Row], sink: StreamSink
     ) -> list[Completion | PromptRejected]:
         """The call's completions, each streaming row's words spread evenly over the call, as
         a model's tokens come: word k of n (with the space before it) sent k/n of the way
-        through, the last as the call ends. The call is still `sample` (and a probe's hooks
-        on it), which sends them while it waits."""
-        expected: list[str | PromptRejected] = [
-            expected_completion(row.prompt, self.extra_words) for row in rows
-        ]
-        answers = self._completions(rows, expected)
-        pieces: list[tuple[float, int, str]] = []  # (share of the call, row, text)
-        for index, (row, answer) in enumerate(zip(rows, answers, strict=True)):
-            if row.stream and isinstance(answer, Completion):
-                words = re.findall(r"\s*\S+", answer.text)
-                pieces += [((k + 1) / len(words), index, w) for k, w in enumerate(words)]
-        self._streaming = (sorted(pieces), sink)
+        through, the last as the call ends."""
+        return self._complete(rows, sink)
+
+    def _complete(
+        self, rows: list[Row], sink: StreamSink | None
+    ) -> list[Completion | PromptRejected]:
+        """The call is `sample` (and a probe's hooks on it): what it rejects stays rejected."""
+        self._call = call = _Call(rows, sink)
         try:
             texts = self.sample([row.prompt for row in rows])
         finally:
-            self._streaming = None
+            self._call = None
         if len(texts) != len(rows):  # the worker's runner reports the mismatch
             return list(texts)  # type: ignore[arg-type]
+        answers = call.answers or self._completions(rows, texts)  # a hook's own call
         return [text if isinstance(text, PromptRejected) else answer
                 for text, answer in zip(texts, answers, strict=True)]  # fmt: skip
 
-    def _wait_out_call(self, started: float) -> None:
-        """Sleep until the call has lasted `batch_ms`, sending the streaming rows' pieces as
-        they come due (complete_streaming)."""
+    def _wait_out_call(self, started: float, call: _Call | None) -> None:
+        """Sleep until the call has lasted `batch_ms`, sending the streaming rows' words as
+        they come due."""
         call_s = self.batch_ms / 1000
-        if self._streaming is not None:
-            pieces, sink = self._streaming
-            for share, index, text in pieces:
+        if call is not None and call.sink is not None and call.answers is not None:
+            for share, index, text in _pieces(call.rows, call.answers):
                 wait_s = started + share * call_s - time.perf_counter()
                 if wait_s > 0:
                     time.sleep(wait_s)
-                sink(index, text)
+                call.sink(index, text)
         remaining = started + call_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
@@ -173,3 +186,15 @@ class SimulatedSampler(Sampler):
                 Completion(answer, reason, self.count_tokens(row.prompt), self.count_tokens(answer))
             )
         return completions
+
+
+def _pieces(
+    rows: list[Row], answers: list[Completion | PromptRejected]
+) -> list[tuple[float, int, str]]:
+    """The streaming rows' words as (share of the call, row, text), in the order they are due."""
+    pieces: list[tuple[float, int, str]] = []
+    for index, (row, answer) in enumerate(zip(rows, answers, strict=True)):
+        if row.stream and isinstance(answer, Completion):
+            words = re.findall(r"\s*\S+", answer.text)
+            pieces += [((k + 1) / len(words), index, w) for k, w in enumerate(words)]
+    return sorted(pieces)
