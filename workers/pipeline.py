@@ -7,7 +7,8 @@ Three threads share a BatchRunner:
   - the GPU thread owns the sampler. Between two calls it does only what cannot move: the
     seal of the next batch (one round trip, lazy: the batch takes everything appended until
     the GPU is free for it), in memory the deadline drops, then the call. With no batch
-    waiting when a call ends, it publishes the call's answers itself, at once;
+    waiting when a call ends, it publishes the call's answers itself, at once (and with
+    offline jobs' items waiting, seals a turn of them: batching.backfill);
   - the reporter thread does the rest while the GPU already runs the next call: first the
     last batch's answers (the waiters wake on them; published after the next call started,
     not before: the web processes they wake would compete for the CPU the seal needs), then
@@ -230,7 +231,15 @@ class BatchPipeline:
                     if not self._changed.wait(IDLE_POLICY_CHECK_S):
                         break  # idle a while: the policy is applied below
                 task, self._waiting = self._waiting, None
-                backfilling = task is None and unpublished is None and not self._closed
+                # A turn of backfill only has no answers to publish: when another follows, its
+                # record is built after that one's seal, as a batch's is (_run), not during
+                # it, where the reporter would take the GIL from the seal.
+                after_backfill = unpublished is not None and not unpublished.interactive
+                backfilling = (
+                    task is None
+                    and not self._closed
+                    and (unpublished is None or (after_backfill and self._backfill_waiting()))
+                )
                 if backfilling:
                     task = self._backfill_turn()
                 self._taken = task[0] if task else None

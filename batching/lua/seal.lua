@@ -221,7 +221,14 @@ local backfill, left = {}, 0
 local places = tonumber(ARGV[16]) - #items
 if places > 0 and not task.exact and (chosen or backfill_turn) then
   backfill = redis.call('LPOP', BACKFILL, places) or {}
-  for _, item in ipairs(backfill) do redis.call('ZADD', BACKFILL_TAKEN, now, item) end
+  if #backfill > 0 then  -- one ZADD: a call of 100 items is the seal's largest part
+    local scored = {}
+    for _, item in ipairs(backfill) do
+      scored[#scored + 1] = now
+      scored[#scored + 1] = item
+    end
+    redis.call('ZADD', BACKFILL_TAKEN, unpack(scored))
+  end
   left = redis.call('LLEN', BACKFILL)
 end
 local reply = {now, opened_at, chosen or '', lane or -1, #due}
