@@ -14,7 +14,8 @@ and its lanes fed) before the window opens, and cancelled after it (the next win
 once it is). Per load, medians over the rounds:
 
 - interactive goodput (200s a second) and latency p50/p99, without and with the job;
-- the job's lines answered a second during the window (its `request_counts`);
+- the job's lines answered a second during the window: the slope of its `request_counts`,
+  read every PROGRESS_EVERY_S;
 - the places of the calls run (max batch size each) filled by requests, by the job, and
   empty (the workers' `sampling_call_places_total`).
 """
@@ -22,9 +23,11 @@ once it is). Per load, medians over the rounds:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +41,7 @@ from bench.harness import loadgen
 from bench.harness.machine import describe_machine
 from bench.harness.report import markdown_table
 from bench.harness.stack import make_api_keys, new_queue, simulated_env, simulated_stack
-from bench.harness.stats import median
+from bench.harness.stats import median, slope
 from bench.harness.trees import in_turn
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
@@ -50,6 +53,9 @@ CALL_MS = 100
 # long after it at most (and a little more).
 METRICS_EVERY_S = HEARTBEAT_INTERVAL_S + 0.5
 FILLED = ("interactive", "backfill", "empty")
+# A window reads its job's answered lines this often: the rate is their slope over time. Two
+# reads' difference is off by up to a feeder's write of lines at each end (2 to 3% in 10 s).
+PROGRESS_EVERY_S = 0.25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,25 +118,53 @@ def _answered(client: OpenAI, job_id: str) -> int:
     return counts.completed + counts.failed if counts else 0
 
 
+class _Progress:
+    """A job's answered lines over a window, read in a thread of its own."""
+
+    def __init__(self, client: OpenAI, job_id: str) -> None:
+        self.client, self.job_id = client, job_id
+        self.points: list[tuple[float, float]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="progress", daemon=True)
+
+    def __enter__(self) -> _Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _read(self) -> None:
+        while True:
+            self.points.append((time.monotonic(), _answered(self.client, self.job_id)))
+            if self._done.wait(PROGRESS_EVERY_S):
+                self.points.append((time.monotonic(), _answered(self.client, self.job_id)))
+                return
+
+    def rate(self) -> float:
+        return slope(self.points)
+
+
 def _window(
     stack: Stack, client: OpenAI, args: argparse.Namespace, load: float, job: bool, tag: str
 ) -> dict[str, float]:
     limit = _limit(args)
     job_id = _job(client, stack.env["SAMPLING_QUEUE"], args.job_lines, tag) if job else ""
-    answered, places = (_answered(client, job_id) if job else 0), _places(stack)
-    started = time.monotonic()
-    if load:
-        results = loadgen.run(
-            "127.0.0.1", stack.port or 0, "/sample", limit * load, args.seconds,
-            lambda i: f"{tag} {i}", expected_completion, client_timeout_s=3.0,
-        )  # fmt: skip
-    else:
-        time.sleep(args.seconds)  # duration: the window with no requests
-    elapsed = time.monotonic() - started
+    places = _places(stack)
+    with contextlib.ExitStack() as running:
+        progress = running.enter_context(_Progress(client, job_id)) if job else None
+        if load:
+            results = loadgen.run(
+                "127.0.0.1", stack.port or 0, "/sample", limit * load, args.seconds,
+                lambda i: f"{tag} {i}", expected_completion, client_timeout_s=3.0,
+            )  # fmt: skip
+        else:
+            time.sleep(args.seconds)  # duration: the window with no requests
     after = _places(stack)
     figures = {name: after[name] - places[name] for name in FILLED}
-    if job:
-        figures["job_rps"] = (_answered(client, job_id) - answered) / elapsed
+    if progress is not None:
+        figures["job_rps"] = progress.rate()
         client.batches.cancel(job_id)
         _cancelled(client, job_id)  # none of its items left to run in the next window
         time.sleep(METRICS_EVERY_S)  # duration: its last calls' places reach /metrics

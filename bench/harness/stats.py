@@ -23,6 +23,14 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(listed) if listed else float("nan")
 
 
+def slope(points: Sequence[tuple[float, float]]) -> float:
+    """The least-squares slope of y over x of (x, y) points; NaN for fewer than two x."""
+    if len({x for x, _ in points}) < 2:
+        return float("nan")
+    xs, ys = zip(*points, strict=True)
+    return statistics.linear_regression(xs, ys).slope
+
+
 def _numbers(values: Sequence[object]) -> bool:
     return all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
 

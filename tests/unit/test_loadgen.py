@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 
 import pytest
 
 from bench.harness.loadgen import Results, poisson_schedule
-from bench.harness.stats import percentile
+from bench.harness.stats import percentile, slope
 
 
 def test_poisson_schedule_has_the_rate_and_memoryless_gaps() -> None:
@@ -30,6 +31,17 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(values, 99) == 99
     assert percentile(values, 100) == 100
     assert percentile([5.0], 99) == 5
+
+
+def test_a_rate_read_in_steps_is_the_slope_of_the_reads() -> None:
+    # 100 a second, written 25 at a time every 0.25 s, read every 0.1 s for 10 s: the first
+    # and last reads' difference is off by most of a step; the slope is not.
+    times = [0.01 + k / 10 for k in range(100)]
+    reads = [(t, 25.0 * math.floor(t / 0.25)) for t in times]
+    (first_t, first), (last_t, last) = reads[0], reads[-1]
+    assert (last - first) / (last_t - first_t) < 99
+    assert slope(reads) == pytest.approx(100, abs=0.2)
+    assert math.isnan(slope(reads[:1]))  # no rate from one read
 
 
 def test_results_shares_and_goodput() -> None:
