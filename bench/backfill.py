@@ -17,31 +17,34 @@ once it is). Per load, medians over the rounds:
 - the job's lines answered a second during the window: the slope of its `request_counts`,
   read every PROGRESS_EVERY_S;
 - the places of the calls run (max batch size each) filled by requests, by the job, and
-  empty (the workers' `sampling_call_places_total`).
+  empty (the workers' `sampling_call_places_total`);
+- how long the GPU waited between two calls, on average, without and with the job (the
+  workers' batch records: an idle GPU's wait, or the seal and rows of the next call).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import io
+import itertools
 import json
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import redis
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from batching.batch_log import BatchLog
 from batching.outcomes import RequestOutcome
-from bench.harness import loadgen
+from bench.harness import jobs, loadgen
 from bench.harness.machine import describe_machine
 from bench.harness.report import markdown_table
 from bench.harness.stack import make_api_keys, new_queue, simulated_env, simulated_stack
-from bench.harness.stats import median, slope
+from bench.harness.stats import median
 from bench.harness.trees import in_turn
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
@@ -53,9 +56,6 @@ CALL_MS = 100
 # long after it at most (and a little more).
 METRICS_EVERY_S = HEARTBEAT_INTERVAL_S + 0.5
 FILLED = ("interactive", "backfill", "empty")
-# A window reads its job's answered lines this often: the rate is their slope over time. Two
-# reads' difference is off by up to a feeder's write of lines at each end (2 to 3% in 10 s).
-PROGRESS_EVERY_S = 0.25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,73 +87,20 @@ def loadgen_get(stack: Stack, path: str) -> str:
         return str(answer.read().decode())
 
 
-def _job(client: OpenAI, model: str, lines: int, tag: str) -> str:
-    """A job created and under way (validated, its first items taken); its id."""
-    content = b"".join(
-        json.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"model": model, "max_tokens": 16, "seed": i,
-                             "messages": [{"role": "user", "content": f"{tag} {i}"}]}}).encode()
-        + b"\n"
-        for i in range(lines)
-    )  # fmt: skip
-    uploaded = client.files.create(file=("job.jsonl", io.BytesIO(content)), purpose="batch")
-    job = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                completion_window="24h")  # fmt: skip
-    deadline = time.monotonic() + 120
-    while _answered(client, job.id) == 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return job.id
-
-
-def _cancelled(client: OpenAI, job_id: str) -> None:
-    deadline = time.monotonic() + 60
-    while client.batches.retrieve(job_id).status != "cancelled":
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"job {job_id} was not cancelled within 60 s")
-        time.sleep(0.1)
-
-
-def _answered(client: OpenAI, job_id: str) -> int:
-    counts = client.batches.retrieve(job_id).request_counts
-    return counts.completed + counts.failed if counts else 0
-
-
-class _Progress:
-    """A job's answered lines over a window, read in a thread of its own."""
-
-    def __init__(self, client: OpenAI, job_id: str) -> None:
-        self.client, self.job_id = client, job_id
-        self.points: list[tuple[float, float]] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="progress", daemon=True)
-
-    def __enter__(self) -> _Progress:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-
-    def _read(self) -> None:
-        while True:
-            self.points.append((time.monotonic(), _answered(self.client, self.job_id)))
-            if self._done.wait(PROGRESS_EVERY_S):
-                self.points.append((time.monotonic(), _answered(self.client, self.job_id)))
-                return
-
-    def rate(self) -> float:
-        return slope(self.points)
-
-
 def _window(
     stack: Stack, client: OpenAI, args: argparse.Namespace, load: float, job: bool, tag: str
 ) -> dict[str, float]:
     limit = _limit(args)
-    job_id = _job(client, stack.env["SAMPLING_QUEUE"], args.job_lines, tag) if job else ""
-    places = _places(stack)
+    job_id = jobs.start(client, stack.env["SAMPLING_QUEUE"], args.job_lines, tag) if job else ""
+    places, records = (
+        _places(stack),
+        BatchLog(
+            redis.Redis.from_url(stack.env["REDIS_URL"]), stack.env["SAMPLING_QUEUE"], ttl_ms=0
+        ),
+    )
+    since_ms = _redis_ms(records.client)
     with contextlib.ExitStack() as running:
-        progress = running.enter_context(_Progress(client, job_id)) if job else None
+        progress = running.enter_context(jobs.Progress(client, job_id)) if job else None
         if load:
             results = loadgen.run(
                 "127.0.0.1", stack.port or 0, "/sample", limit * load, args.seconds,
@@ -161,12 +108,13 @@ def _window(
             )  # fmt: skip
         else:
             time.sleep(args.seconds)  # duration: the window with no requests
-    after = _places(stack)
+    after, until_ms = _places(stack), _redis_ms(records.client)
     figures = {name: after[name] - places[name] for name in FILLED}
+    figures["between_calls_ms"] = _between_calls_ms(records, since_ms, until_ms)
     if progress is not None:
         figures["job_rps"] = progress.rate()
         client.batches.cancel(job_id)
-        _cancelled(client, job_id)  # none of its items left to run in the next window
+        jobs.wait_cancelled(client, job_id)  # none of its items left to run in the next window
         time.sleep(METRICS_EVERY_S)  # duration: its last calls' places reach /metrics
     if load:
         wrong = results.count(loadgen.WRONG)
@@ -176,6 +124,30 @@ def _window(
         figures["p50"] = results.percentile_ms(50, RequestOutcome.OK)
         figures["p99"] = results.percentile_ms(99, RequestOutcome.OK)
     return figures
+
+
+def _redis_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _between_calls_ms(records: BatchLog, since_ms: int, until_ms: int) -> float:
+    """How long a GPU waited between two of its calls started in the window, on average
+    (from one call's end to the next one's start: the seal and the rows, or an idle GPU);
+    from the workers' batch records. A mean: the records' times are whole milliseconds, and
+    the mean of their differences is exact but for its two ends."""
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for raw in records.recent():
+        record = json.loads(raw)
+        started = record.get("call_started_ms")
+        if started is not None and since_ms <= started <= until_ms:
+            by_worker.setdefault(record["worker"], []).append(record)
+    gaps = []
+    for calls in by_worker.values():
+        calls.sort(key=lambda record: record["call_started_ms"])
+        gaps += [after["call_started_ms"] - before["call_started_ms"] - before["sampler_ms"]
+                 for before, after in itertools.pairwise(calls)]  # fmt: skip
+    return sum(gaps) / len(gaps) if gaps else float("nan")
 
 
 def _limit(args: argparse.Namespace) -> float:
@@ -232,6 +204,7 @@ def _table(
             number(of(load, False, "p50")), number(of(load, True, "p50")),
             number(of(load, False, "p99")), number(of(load, True, "p99")),
             number(of(load, True, "job_rps")), *(share(load, name) for name in FILLED),
+            number(of(load, False, "between_calls_ms")), number(of(load, True, "between_calls_ms")),
         ])  # fmt: skip
     limit = _limit(args)
     title = (
@@ -240,5 +213,6 @@ def _table(
         f"medians of {args.rounds} rounds of {args.seconds:g} s windows"
     )
     header = ["load", "goodput/s", "with job", "p50 ms", "with job", "p99 ms", "with job",
-              "job lines/s", "places: requests", "job", "empty"]  # fmt: skip
+              "job lines/s", "places: requests", "job", "empty", "between calls ms",
+              "with job"]  # fmt: skip
     return f"{title}\n\n{markdown_table(header, rows)}\n"
