@@ -38,6 +38,7 @@ import redis
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from batching.aggregator import BatchAggregator
 from batching.batch_log import BatchLog
 from batching.outcomes import RequestOutcome
 from bench.harness import jobs, loadgen
@@ -88,17 +89,17 @@ def loadgen_get(stack: Stack, path: str) -> str:
 
 
 def _window(
-    stack: Stack, client: OpenAI, args: argparse.Namespace, load: float, job: bool, tag: str
+    stack: Stack,
+    client: OpenAI,
+    records: BatchLog,
+    args: argparse.Namespace,
+    load: float,
+    job: bool,
+    tag: str,
 ) -> dict[str, float]:
     limit = _limit(args)
     job_id = jobs.start(client, stack.env["SAMPLING_QUEUE"], args.job_lines, tag) if job else ""
-    places, records = (
-        _places(stack),
-        BatchLog(
-            redis.Redis.from_url(stack.env["REDIS_URL"]), stack.env["SAMPLING_QUEUE"], ttl_ms=0
-        ),
-    )
-    since_ms = _redis_ms(records.client)
+    places, since_ms = _places(stack), _now_ms()
     with contextlib.ExitStack() as running:
         progress = running.enter_context(jobs.Progress(client, job_id)) if job else None
         if load:
@@ -108,7 +109,7 @@ def _window(
             )  # fmt: skip
         else:
             time.sleep(args.seconds)  # duration: the window with no requests
-    after, until_ms = _places(stack), _redis_ms(records.client)
+    after, until_ms = _places(stack), _now_ms()
     figures = {name: after[name] - places[name] for name in FILLED}
     figures["between_calls_ms"] = _between_calls_ms(records, since_ms, until_ms)
     if progress is not None:
@@ -126,9 +127,9 @@ def _window(
     return figures
 
 
-def _redis_ms(client: redis.Redis) -> int:
-    seconds, micros = client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
+def _now_ms() -> int:
+    """This machine's clock, which is the embedded Redis node's: the records' times."""
+    return int(time.time() * 1000)
 
 
 def _between_calls_ms(records: BatchLog, since_ms: int, until_ms: int) -> float:
@@ -166,13 +167,14 @@ def main(args: argparse.Namespace) -> None:
     try:
         stack.start(timeout_s=120)
         key = make_api_keys(stack, {"bench-backfill": []})["bench-backfill"]
+        records = BatchAggregator(redis.Redis.from_url(server.url), env["SAMPLING_QUEUE"]).batch_log
         client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0,
                         timeout=120)  # fmt: skip
         for round_index in range(args.rounds):
             for load in loads:
                 for job in in_turn((False, True), round_index + int(load * 10)):
                     tag = f"r{round_index}-{load}-{int(job)}"
-                    figures = _window(stack, client, args, load, job, tag)
+                    figures = _window(stack, client, records, args, load, job, tag)
                     runs.setdefault((load, job), []).append(figures)
                     shown = "  ".join(f"{k} {v:.1f}" for k, v in figures.items())
                     print(f"  round {round_index + 1} load {load:.0%} job {job}: {shown}",
