@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +16,11 @@ import redis
 # Nothing is fetched from a model hub in the tests: set before transformers is imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
+# The packaged model's GGUF conversion is kept for the session's processes (converted once, in
+# its first load) and removed at its end: a run starts cold whatever an earlier run left.
+if "SAMPLING_MODEL_CACHE" not in os.environ:
+    os.environ["SAMPLING_MODEL_CACHE"] = tempfile.mkdtemp(prefix="sampling-model-cache-")
+    atexit.register(shutil.rmtree, os.environ["SAMPLING_MODEL_CACHE"], True)
 
 from inference_site.lib.embedded_redis import redis_url_or_embedded
 from inference_site.lib.stack import ROOT, Stack

