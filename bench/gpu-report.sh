@@ -62,18 +62,24 @@ print("# install there: pip install --no-deps --target /tmp/site wheels/*.whl")
 print("\n".join(pins))
 PY
     cat "$DIR/carry.txt"
+    # The steps are independent and each keeps one core busy: two at a time.
     # shellcheck disable=SC2086  # the lists are words
-    "$PYTHON" -m pytest -p no:cacheprovider -q --collect-only $TESTS_GPU > "$DIR/collect-gpu.log" 2>&1 || status=1
+    "$PYTHON" -m pytest -p no:cacheprovider -q --collect-only $TESTS_GPU > "$DIR/collect-gpu.log" 2>&1 &
+    gpu=$!
     # shellcheck disable=SC2086
     "$PYTHON" -m pytest -p no:cacheprovider -q --collect-only $TESTS_MODEL > "$DIR/collect-integration.log" 2>&1 || status=1
+    wait $gpu || status=1
     for name in gpu integration; do echo "== collect $name: $(tail -n 1 "$DIR/collect-$name.log")"; done
     tiny="--device cpu --sizes 1 --max-new-tokens 2 --repeats 1 --graphs both --prompt-tokens 20-40"
+    # The packaged model first, alone: its GGUF conversion, kept, serves the steps after it.
     # shellcheck disable=SC2086
     "$PYTHON" -m bench sampler $tiny > "$DIR/dry-sampler.md" 2>&1 || status=1
     # shellcheck disable=SC2086
-    "$PYTHON" -m bench sampler $tiny --arch "${ARCHS%% *}" > "$DIR/dry-sampler-arch.md" 2>&1 || status=1
+    "$PYTHON" -m bench sampler $tiny --arch "${ARCHS%% *}" > "$DIR/dry-sampler-arch.md" 2>&1 &
+    arch=$!
     "$PYTHON" -m bench streaming --sampler hf --rates 1 --seconds 2 --max-tokens 2 \
         > "$DIR/dry-streaming.md" 2>&1 || status=1
+    wait $arch || status=1
     for name in sampler sampler-arch streaming; do echo "== bench $name:"; tail -n 4 "$DIR/dry-$name.md"; done
     echo "== dry run: $([ $status = 0 ] && echo ready || echo 'NOT ready')"
     exit $status

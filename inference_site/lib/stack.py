@@ -250,12 +250,13 @@ class Stack:
                 process.wait()
 
     def stop(self) -> None:
-        if self.web is not None:
-            self.stop_process(self.web)
-        if self.feeder is not None:
-            self.stop_process(self.feeder)
-        for worker in self.workers:
-            self.stop_process(worker)
+        """Stop every process at once (each shuts down gracefully, in parallel), then Redis."""
+        processes = [p for p in (self.web, self.feeder, *self.workers) if p is not None]
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            self.stop_process(process)
         if self.redis is not None:
             self.redis.stop()
         for handle in self._logs:
