@@ -19,5 +19,13 @@ def test_a_60_second_soak_with_redis_and_a_worker_restarted(tmp_path: Path) -> N
     result = soak.run(60, log_dir=tmp_path, verbose=False)
     report = soak.report(result)
     assert result.passed, report
-    # The faults happened: Redis' restart refused some requests, and the run served the rest.
-    assert result.outcomes[RequestOutcome.OK] > 0.9 * sum(result.outcomes.values()), report
+    # The faults happened: Redis' restart and the worker's refused some requests.
+    assert result.outcomes[RequestOutcome.OK] < sum(result.outcomes.values()), report
+    # Every stretch of the run served, and the last, after both faults, served most of what it
+    # was sent. How much a busy machine carries is the benchmark's figure, not this test's:
+    # admission answers the rest with a fast 503, which the verdicts count as answered.
+    served = [counts[RequestOutcome.OK] for _, _, counts in result.segments]
+    assert len(served) >= 5, report
+    assert all(served), report
+    _, sent, counts = result.segments[-1]
+    assert counts[RequestOutcome.OK] > sent / 2, report
