@@ -135,3 +135,20 @@ def test_a_copy_that_landed_first_is_kept(gguf: Path, cache: Path) -> None:
     gguf_cache._save(converted, copy)
     assert (copy / "weights.txt").read_text() == "first"
     assert not list(cache.glob("*/.*"))
+
+
+def test_a_copy_that_cannot_be_saved_only_costs_time(
+    gguf: Path, cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A conversion that refuses to be saved (transformers' own check, a full disk) is still
+    the load's result, and leaves no staging folder."""
+
+    class Unsaveable(Converted):
+        def save_pretrained(self, folder: Path) -> None:
+            Path(folder, "weights.txt").write_text("half")
+            raise ValueError("not serializable")
+
+    loaded = gguf_cache.load_converted(gguf, "float32", lambda: Unsaveable("w"), Loads().load_copy)
+    assert loaded.text == "w"
+    assert "not kept" in caplog.text
+    assert [path.name for path in cache.glob("*/*")] == []

@@ -83,7 +83,7 @@ def _save(converted: Any, folder: Path) -> None:
     try:
         _save_plain(converted, staging)
         staging.rename(folder)  # atomic; another worker's copy may have landed first
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - a copy not kept must not fail the load
         if not folder.is_dir():
             log.warning("GGUF conversion not kept in %s: %s", folder, exc)
     finally:
