@@ -27,13 +27,16 @@ run: $(STAMP) $(SECRET)
 	$(PY) manage.py migrate --noinput
 	$(PY) -m inference_site.lib.stack
 
+# Test processes of `make test`: each takes whole test files (a file's stacks stay in one).
+TEST_PROCESSES ?= 2
+
 # Everything: lint, format, types, import contracts, unit and real-process tests.
 test: $(STAMP) $(SECRET)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile
 
 # The unit tests only (a real Redis, no service processes; kubectl renders the manifests, and
 # docker-compose is installed into .venv-compose on first use): under a minute.

@@ -35,6 +35,7 @@ def measure(port: int, seconds: float, rate_rps: float = RATE_RPS) -> dict[str, 
     return {
         "sent": results.sent,
         "ok": results.share(RequestOutcome.OK),
+        "unanswered": results.count(loadgen.OTHER),  # no 200, 503 or 504 in the client's wait
         "wrong": results.count(loadgen.WRONG),
         "p50": results.percentile_ms(50),
         "p99": results.percentile_ms(99),

@@ -26,9 +26,9 @@ from inference_site.lib.embedded_cluster import EmbeddedCluster
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
 from inference_site.redis_client import MAX_CONNECTIONS_PER_PROCESS, connect
+from tests.support.bursts import burst_until_answered
 from tests.support.http import Reply, sample
 from tests.support.waiting import wait_until
-from workers.samplers.simulated import expected_completion
 
 SHARDS = 6
 DEADLINE_MS = 3000  # 6 shards' batches queue for 3 workers: nothing here is about the deadline
@@ -77,27 +77,6 @@ def master_of(cluster: EmbeddedCluster, keys: ShardKeys) -> int:
     return cluster.node_index_for_slot(key_slot(keys.open_batch.encode()))
 
 
-def burst(farm: Stack, prompts: list[str]) -> list[Reply]:
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        return list(pool.map(lambda prompt: sample(farm.base_url, prompt), prompts))
-
-
-# A burst's refused requests are sent again, as a client would, at most this many times.
-BURST_ROUNDS = 5
-
-
-def assert_admitted_or_refused(prompt: str, reply: Reply) -> None:
-    """What admission promises a burst: its own completion, or a refusal that says so. A
-    503 (with Retry-After) answers a burst that this machine cannot carry within the
-    deadline, and a 504 one that a busy machine let run past it; a wrong answer never."""
-    if reply.status == 200:
-        assert reply.body == expected_completion(prompt)
-    elif reply.status == 503:
-        assert int(reply.headers["retry-after"]) >= 1, reply
-    else:
-        assert reply.status == 504, reply
-
-
 def test_every_request_gets_its_own_completion_from_every_shard_and_master(
     farm: Stack, cluster: EmbeddedCluster
 ) -> None:
@@ -107,15 +86,7 @@ def test_every_request_gets_its_own_completion_from_every_shard_and_master(
         for i in range(len(cluster.nodes))
     ]
     prompts = [f"cluster prompt {i} of a burst" for i in range(600)]
-    pending = prompts
-    for _ in range(BURST_ROUNDS):
-        replies = dict(zip(pending, burst(farm, pending), strict=True))
-        for prompt, reply in replies.items():
-            assert_admitted_or_refused(prompt, reply)
-        pending = [prompt for prompt, reply in replies.items() if reply.status != 200]
-        if not pending:
-            break
-    assert pending == []  # every prompt had its own completion within BURST_ROUNDS bursts
+    burst_until_answered(farm.base_url, prompts)
 
     records = [json.loads(raw) for raw in aggregator.batch_log.recent()]
     served_tags = {tag_of(record["batch_id"]) for record in records if record["size"]}
@@ -190,11 +161,9 @@ def test_a_dead_master_fails_its_shards_fast_and_the_others_keep_serving(
     for _, reply in replies:  # nothing anywhere waited past its deadline
         assert reply.seconds < DEADLINE_MS / 1000 + 0.5, reply
 
-    # Recovered: a burst after the restart is served whole, by every shard again.
+    # Recovered: each prompt of a burst after the restart gets its own completion.
     prompts = [f"after the restart {i}" for i in range(120)]
-    after = burst(farm, prompts)
-    assert Counter(reply.status for reply in after) == {200: len(prompts)}
-    assert [reply.body for reply in after] == [expected_completion(p) for p in prompts]
+    burst_until_answered(farm.base_url, prompts)
 
 
 def test_a_cluster_client_refuses_a_dead_master_at_once(cluster: EmbeddedCluster) -> None:
