@@ -84,12 +84,14 @@ class DeltaPublisher:
     def _run(self) -> None:
         while True:
             self._wake.wait()
+            # Cleared before the stop is read: the end's wake-up, set after this, is never
+            # lost (cleared after it, the thread waited for good and the call never ended).
+            self._wake.clear()
             if self._stop.is_set():
                 return
             wait_s = self._last + self.interval_s - time.monotonic()
             if wait_s > 0 and self._stop.wait(wait_s):
                 return
-            self._wake.clear()
             self._last = time.monotonic()
             self.flush()
 

@@ -90,6 +90,41 @@ def test_the_publisher_coalesces_a_calls_text_into_a_message_per_interval(
     assert 2 <= len(messages) <= elapsed_ms / 20 + 2
 
 
+class _EndsAfterTheCheck(threading.Event):
+    """The publisher's stop, whose first read lets the call end (as __exit__ signals) just
+    after the thread found it not set: the moment a busy machine can preempt it at."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        super().__init__()
+        self.wake = wake
+        self.read = False
+
+    def is_set(self) -> bool:
+        found = super().is_set()
+        if not self.read:
+            self.read = True
+            self.set()
+            self.wake.set()
+        return found
+
+
+def test_a_call_that_ends_while_its_publisher_publishes_is_never_waited_for(
+    redis_client: redis.Redis,
+) -> None:
+    """The end's wake-up lands between the thread's read of the stop and its next wait: the
+    thread still ends (it waited for good, the call never ended, and the worker's watchdog
+    took it for a hung GPU)."""
+    batch_id = ShardKeys(uuid.uuid4().hex[:8]).batch_id("x2")
+    publisher = DeltaPublisher(redis_client, batch_id, [0], interval_ms=5)
+    publisher._stop = _EndsAfterTheCheck(publisher._wake)
+    publisher.__enter__()
+    publisher.sink(0, " text")
+    publisher._thread.join(timeout=5)
+    assert not publisher._thread.is_alive()
+    publisher.__exit__(None, None, None)
+    assert publisher.published >= 1
+
+
 def test_a_publisher_that_cannot_publish_never_fails_the_call() -> None:
     unreachable = redis.Redis(port=1, socket_connect_timeout=0.2)
     with DeltaPublisher(unreachable, "b-x", [0], interval_ms=5) as publisher:
