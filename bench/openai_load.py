@@ -64,13 +64,9 @@ def ensure_aiperf() -> Path:
 def ensure_tokenizer() -> Path:
     """The packaged SmolLM2's tokenizer in `save_pretrained` form, for aiperf's token counts."""
     if not (TOKENIZER_DIR / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
+        from workers.samplers.hf_source import load_tokenizer, resolve_model
 
-        from workers.samplers.hf_source import packaged_model_path
-
-        gguf = packaged_model_path()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer.save_pretrained(TOKENIZER_DIR)
+        load_tokenizer(resolve_model("")).save_pretrained(TOKENIZER_DIR)  # the packaged model's
     return TOKENIZER_DIR
 
 

@@ -243,11 +243,7 @@ class Stack:
     def stop_process(self, process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
         if process.poll() is None:
             process.send_signal(sig)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            _reap(process)
 
     def stop(self) -> None:
         """Stop every process at once (each shuts down gracefully, in parallel), then Redis."""
@@ -256,7 +252,7 @@ class Stack:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         for process in processes:
-            self.stop_process(process)
+            _reap(process)
         if self.redis is not None:
             self.redis.stop()
         for handle in self._logs:
@@ -264,6 +260,15 @@ class Stack:
         self._logs.clear()
         if self._ready_dir is not None:
             shutil.rmtree(self._ready_dir, ignore_errors=True)
+
+
+def _reap(process: subprocess.Popen[bytes], timeout_s: float = 15) -> None:
+    """Wait for a signalled process to exit; kill it when it has not within `timeout_s`."""
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 # A process that exits is started again after a back-off that doubles with each exit in a row
