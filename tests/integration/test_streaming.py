@@ -392,11 +392,14 @@ def test_time_to_first_token_and_queue_time_are_measured(
             served[histogram].append(total - sums[histogram])
             sums[histogram] = total
 
-    # The server's clocks start after the client's (HTTP, Django): a few ms per request.
+    # The server's clocks start after the client's (HTTP, Django: more on a busy machine), and
+    # a stream's first chunk comes after its call started (the queue time's end; 1 ms: the
+    # batch records' whole milliseconds).
     for histogram, slack_s in ((stats.TTFT, 0.0), (stats.QUEUE_TIME, 0.001)):
         pairs = list(zip(served[histogram], measured[histogram], strict=True))
-        assert all(server <= client + slack_s for server, client in pairs), (histogram, pairs)
-        assert sum(measured[histogram]) - 0.1 <= sum(served[histogram]), (histogram, pairs)
+        assert all(0 < server <= client + slack_s for server, client in pairs), (histogram, pairs)
+    first_and_queued = list(zip(served[stats.TTFT], served[stats.QUEUE_TIME], strict=True))
+    assert all(ttft >= queued - 0.001 for ttft, queued in first_and_queued), first_and_queued
 
     def recent() -> stats.Summary | None:
         board = dashboard.build(redis.Redis.from_url(stack.env["REDIS_URL"]), model, Policy())
