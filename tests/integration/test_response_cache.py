@@ -267,4 +267,7 @@ def test_no_answer_of_the_old_policy_is_served_once_every_worker_reports_the_new
         finally:
             current["stop"] = True
             delete_policy(cached, admin)
-    assert {cache_result for _, _, cache_result, _ in served} == {"hit", "miss"}
+    # Both kinds of answer, and on a busy machine admission's refusals (a 503, or a 504 past
+    # the deadline), which say so: never an answer of another kind.
+    results = {cache_result for _, _, cache_result, _ in served}
+    assert {"hit", "miss"} <= results <= {"hit", "miss", "503", "504"}, results

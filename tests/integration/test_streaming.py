@@ -73,9 +73,8 @@ def expected(prompt: str) -> str:
     return expected_completion(prompt, EXTRA_WORDS)
 
 
-def test_a_completion_streams_chunk_by_chunk_while_its_call_runs(
-    client: OpenAI, model: str
-) -> None:
+def _stream_arrivals(client: OpenAI, model: str) -> list[float]:
+    """One stream of a new prompt, its content checked; when each content chunk arrived."""
     prompt = f"stream me {uuid.uuid4().hex[:6]}"
     arrivals: list[float] = []
     texts: list[str] = []
@@ -96,11 +95,25 @@ def test_a_completion_streams_chunk_by_chunk_while_its_call_runs(
                 finishes.append(choice.finish_reason)
     assert "".join(texts) == expected(prompt)
     assert len(texts) >= MIN_CHUNKS, texts
-    # Spread over the call, not in one piece at its end.
-    assert arrivals[-1] - arrivals[0] >= 0.5 * CALL_MS / 1000
     assert finishes == ["stop"]
     assert usage is not None
     assert usage.completion_tokens == len(expected(prompt).split())
+    return arrivals
+
+
+def test_a_completion_streams_chunk_by_chunk_while_its_call_runs(
+    client: OpenAI, model: str
+) -> None:
+    # Spread over the call, not in one piece at its end. A busy machine can hold a stream's
+    # bytes back and hand them over at once; a service that sends at the end does so every
+    # time, so one spread stream of a few shows the chunks leave while the call runs.
+    spreads = []
+    for _ in range(3):
+        arrivals = _stream_arrivals(client, model)
+        spreads.append(arrivals[-1] - arrivals[0])
+        if spreads[-1] >= 0.5 * CALL_MS / 1000:
+            break
+    assert max(spreads) >= 0.5 * CALL_MS / 1000, spreads
 
 
 def test_a_chat_streams_with_its_role_first(client: OpenAI, model: str) -> None:
