@@ -286,6 +286,11 @@ SAMPLING_BATCH_FILE_MAX_BYTES = env_int(
     "SAMPLING_BATCH_FILE_MAX_BYTES", 200 * 2**20, minimum=1, maximum=2**31
 )
 SAMPLING_BATCH_MAX_LINES = env_int("SAMPLING_BATCH_MAX_LINES", 50_000, minimum=1, maximum=10**7)
+# A longer line is that line's error, never read whole: 8 MiB holds the largest prompt a policy
+# allows (1 MiB) with room for JSON's escapes.
+SAMPLING_BATCH_MAX_LINE_BYTES = env_int(
+    "SAMPLING_BATCH_MAX_LINE_BYTES", 8 * 2**20, minimum=1024, maximum=2**31
+)
 # A backfill item a worker took and did not answer within this long goes back to its lane
 # (its worker died, or Redis lost its answer): far above the longest call.
 SAMPLING_BACKFILL_TAKEN_TIMEOUT_S = env_float(

@@ -11,7 +11,10 @@ runs `tick` every FEED_INTERVAL_S:
 4. in_progress jobs fed, oldest first, until each model's lanes hold AHEAD_CALLS calls' worth
    per live worker (an idle farm never waits for the next run);
 5. jobs with every line answered finalized (offline.finish); a cancelled or expired job's
-   items withdrawn, and once none is still in a call, finalized with what is done.
+   items withdrawn, and once none is still in a call, finalized with what is done; a job
+   left finalizing (its run cut short) finalized again.
+
+A job's step that fails is logged and the run goes on with the other jobs.
 
 The process that holds the lock feeds every model (docs/guides/batch.md). It runs at the
 lowest CPU priority (NICENESS): its work (files, the database, JSON) must never take a core
@@ -47,7 +50,15 @@ from batching.catalog import Price
 from batching.keys import QueueKeys
 from batching.loop import PeriodicLoop
 from offline import finish, validate
-from offline.lines import BadLine, answered, read_line, refused, request_of
+from offline.lines import (
+    BadLine,
+    UnreadableLine,
+    answered,
+    raw_lines,
+    read_line,
+    refused,
+    request_of,
+)
 from offline.models import Job, JobLine, Status
 from sampling.responses import Invalid
 from sampling.runtime import ServedModel, WebProcess, flush_on_exit, web_process
@@ -86,16 +97,18 @@ class Feeder:
         if not self._hold():
             return
         try:
-            moving = [Status.VALIDATING, Status.IN_PROGRESS, Status.CANCELLING]
+            moving = [Status.VALIDATING, Status.IN_PROGRESS, Status.CANCELLING, Status.FINALIZING]
             jobs = list(Job.objects.filter(status__in=moving).order_by("created"))
             for job in jobs:
                 if job.status == Status.VALIDATING:
-                    validate.checked(self.process, job)
+                    _alone(job.id, "validated", validate.checked, self.process, job)
+                elif job.status == Status.FINALIZING:  # the last attempt was cut short
+                    _alone(job.id, "finalized", finish.finalize, job, finish.ending_of(job))
             by_model: dict[str, list[Job]] = defaultdict(list)
             for job in jobs:
                 if job.status == Status.CANCELLING and not job.model:  # before it had lines
-                    finish.finalize(job, Status.CANCELLED)
-                elif job.status != Status.VALIDATING and job.model:
+                    _alone(job.id, "finalized", finish.finalize, job, Status.CANCELLED)
+                elif job.status in (Status.IN_PROGRESS, Status.CANCELLING) and job.model:
                     by_model[job.model].append(job)
             for model, model_jobs in by_model.items():
                 self._move_on(self.process.model(model), model_jobs)
@@ -125,24 +138,32 @@ class Feeder:
         collect(lanes, {job.id: job for job in jobs}, self._charge)
         timeout_ms = round(settings.SAMPLING_BACKFILL_TAKEN_TIMEOUT_S * 1000)
         lanes.requeue_stale(int(time.time() * 1000), timeout_ms)
-        now = timezone.now()
         waiting, _ = lanes.depth()
         live = model.aggregator.workers.live_count()
         room = max(0, AHEAD_CALLS * model.watcher.current.max_batch_size * max(1, live) - waiting)
         for job in jobs:
-            job.refresh_from_db()
-            if job.status == Status.IN_PROGRESS and now >= job.expires_at:
-                job.save(update_fields=job.mark(Status.CANCELLING, now))  # expiring
-            if job.status == Status.CANCELLING:
-                self._wind_down(lanes, job)
-            elif job.status == Status.IN_PROGRESS:
-                if job.epoch != epoch:  # the lanes were lost since it was fed: again
-                    job.fed_lines, job.fed_offset, job.epoch = 0, 0, epoch
-                    job.save(update_fields=["fed_lines", "fed_offset", "epoch"])
-                if room > 0:
-                    room -= feed(lanes, model, job, room)
-                if job.completed + job.failed >= job.total:
-                    finish.finalize(job, Status.COMPLETED)
+            room -= _alone(job.id, "moved on", self._move_job_on, lanes, model, job, epoch, room)
+
+    def _move_job_on(
+        self, lanes: Backfill, model: ServedModel, job: Job, epoch: str, room: int
+    ) -> int:
+        """One job of `model` expired, wound down, fed up to `room` lines or finalized; how
+        many lines it fed."""
+        now, fed = timezone.now(), 0
+        job.refresh_from_db()
+        if job.status == Status.IN_PROGRESS and now >= job.expires_at:
+            job.save(update_fields=job.mark(Status.CANCELLING, now))  # expiring
+        if job.status == Status.CANCELLING:
+            self._wind_down(lanes, job)
+        elif job.status == Status.IN_PROGRESS:
+            if job.epoch != epoch:  # the lanes were lost since it was fed: again
+                job.fed_lines, job.fed_offset, job.epoch = 0, 0, epoch
+                job.save(update_fields=["fed_lines", "fed_offset", "epoch"])
+            if room > 0:
+                fed = feed(lanes, model, job, room)
+            if job.completed + job.failed >= job.total:
+                finish.finalize(job, Status.COMPLETED)
+        return fed
 
     def _charge(self, job: Job, prompt_tokens: int, completion_tokens: int) -> None:
         """A job's new tokens charged to its key, as a request's are (usage and spend, at
@@ -168,10 +189,20 @@ class Feeder:
         """A cancelled (or expired) job: its waiting items out of the lanes, and once none is
         in a call any more, its lines done so far written."""
         _, still_taken = lanes.withdraw(job.id)
-        if still_taken:
-            return
-        expired = job.cancelling_at is not None and job.cancelling_at >= job.expires_at
-        finish.finalize(job, Status.EXPIRED if expired else Status.CANCELLED)
+        if not still_taken:
+            finish.finalize(job, finish.ending_of(job))
+
+
+def _alone(job_id: str, what: str, step: Callable[..., Any], *args: Any) -> Any:
+    """`step(*args)` for one job: its failure logged, each time, and the run goes on with the
+    other jobs (0 for it). Redis away fails the whole run: every job needs it."""
+    try:
+        return step(*args)
+    except redis.RedisError:
+        raise
+    except Exception:
+        log.exception("job %s could not be %s; the next run tries again", job_id, what)
+        return 0
 
 
 def collect(lanes: Backfill, jobs: dict[str, Job], charge: Charge) -> int:
@@ -262,18 +293,21 @@ def feed(lanes: Backfill, model: ServedModel, job: Job, at_most: int) -> int:
     index = first
     with job.input_file.content.open("rb") as handle:
         handle.seek(offset)
-        for raw in handle:
-            offset += len(raw)
-            if not raw.strip():
+        # Line by line from the offset (a File's own iteration reads again from byte 0).
+        for raw, size in raw_lines(handle, settings.SAMPLING_BATCH_MAX_LINE_BYTES):
+            offset += size
+            if raw is not None and not raw.strip():
                 continue
             if index in unanswered:
                 try:
+                    if raw is None:
+                        raise BadLine("over the size limit")
                     line = read_line(index, raw, job.endpoint)
                     request = request_of(line, job.endpoint, policy)
                     items.append(BackfillItem(job.id, index, request))
                 except Invalid as invalid:
                     refusals[index] = refused(invalid)
-                except BadLine:  # validated before: the file changed under the job
+                except (BadLine, UnreadableLine):  # validated before: the file changed
                     refusals[index] = refused(Invalid("the line changed after validation"))
             index += 1
             if len(items) >= at_most or index >= first + window or index >= job.total:
@@ -305,8 +339,9 @@ def serve(stop: threading.Event | None = None) -> None:
     feeder = Feeder(web_process())
     loop = PeriodicLoop("offline-feeder", feeder.tick, FEED_INTERVAL_S, "feed offline jobs")
     log.info("feeding offline jobs every %g s (niceness %d)", FEED_INTERVAL_S, os.nice(0))
+    # A failed run keeps the lock: the next renews it with the same token, or finds it lost
+    # (LockError) and asks again. Asking with a new token would wait out the held lock's TTL.
     while not stop.wait(FEED_INTERVAL_S):
-        if not loop.run_once():
-            feeder.held = False  # Redis away, or the run failed: take the lock again
+        loop.run_once()
     feeder.release()
     flush_on_exit()

@@ -1,7 +1,8 @@
 """A job's end: its output file (the lines answered 200) and error file (every other line)
 written in OpenAI's shape, one line per custom_id, in the input's order; its status
 completed, cancelled or expired. A line never answered (the job cancelled or expired first)
-goes to the error file with the job's reason.
+goes to the error file with the job's reason. The feeder finalizes again a job it finds
+finalizing: the last attempt was cut short.
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ UNANSWERED = {
 }
 
 
+def ending_of(job: Job) -> Status:
+    """Where a job that stopped moving ends: completed, or once cancelling, cancelled or
+    expired (cancelling from its expiry on)."""
+    if job.cancelling_at is None:
+        return Status.COMPLETED
+    return Status.EXPIRED if job.cancelling_at >= job.expires_at else Status.CANCELLED
+
+
 def finalize(job: Job, status: Status) -> None:
+    """The job's files written whole from its lines, then its end `status`. Idempotent: a
+    job left finalizing (its feeder killed, a write failed) is finalized again from its lines;
+    a file of the broken attempt may stay in storage, unreferenced."""
     now = timezone.now()
     job.save(update_fields=job.mark(Status.FINALIZING, now))
     outputs: list[bytes] = []
@@ -48,7 +60,7 @@ def finalize(job: Job, status: Status) -> None:
 def _line(job: Job, row: JobLine, status: Status) -> bytes:
     record: dict[str, Any] = {
         "id": f"batch_req_{secrets.token_hex(12)}",
-        "custom_id": row.custom_id,
+        "custom_id": row.custom_id or None,  # none could be read from an unreadable line
     }
     if row.answered and row.status_code is not None:
         request_id = f"req_{secrets.token_hex(12)}"

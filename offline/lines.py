@@ -10,9 +10,12 @@ a GPU. A line is one completion, or one embedding: `n` above 1, several prompts 
 
 from __future__ import annotations
 
+import codecs
+import itertools
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from pydantic import BaseModel
 
@@ -43,9 +46,27 @@ def kind_of(endpoint: str) -> str:
     return EMBEDDER if endpoint == EMBEDDINGS else GENERATOR
 
 
+# A request line nests no deeper than this (a chat's parts, a tool's JSON schema): deeper
+# lines are refused before anything walks them recursively.
+MAX_LINE_DEPTH = 64
+# What a line over the size limit is read by, skipped to its end in constant memory.
+SKIP_CHUNK_BYTES = 2**16
+_END = object()
+
+
 class BadLine(ValueError):
     """A line that is no request of the job (not JSON, no custom_id, another URL): the job
     fails validation with it."""
+
+
+class UnreadableLine(ValueError):
+    """A line no request can be read from (over the size limit, nested too deep, not UTF-8,
+    a NUL character): that line's error, answered in the job's error file. `custom_id` is ""
+    where none could be read."""
+
+    def __init__(self, message: str, custom_id: str = "") -> None:
+        super().__init__(message)
+        self.custom_id = custom_id
 
 
 @dataclass(frozen=True)
@@ -55,10 +76,47 @@ class Line:
     body: bytes  # the request's JSON
 
 
+def raw_lines(handle: IO[bytes], limit: int) -> Iterator[tuple[bytes | None, int]]:
+    """Each line of `handle` from where it stands, with its size in bytes (its newline
+    included); a line over `limit` bytes as None (b"" if it is only whitespace), read through
+    in chunks, never held whole. Lines end at a newline alone, as JSONL's do."""
+    while raw := handle.readline(limit + 1):
+        size = len(raw)
+        if size <= limit or raw.endswith(b"\n"):
+            yield raw, size
+            continue
+        text = bool(raw.strip())
+        while raw and not raw.endswith(b"\n"):
+            raw = handle.readline(SKIP_CHUNK_BYTES)
+            size += len(raw)
+            text = text or bool(raw.strip())
+        yield (None if text else b""), size
+
+
+def count_lines(chunks: Iterable[bytes]) -> int:
+    """The lines of a file given in chunks that hold more than whitespace, counted as
+    `raw_lines` splits them, in constant memory."""
+    count, text = 0, False
+    for chunk in chunks:
+        *ended, rest = chunk.split(b"\n")
+        for piece in ended:
+            count += bool(text or piece.strip())
+            text = False
+        text = text or bool(rest.strip())
+    return count + text
+
+
 def read_line(index: int, raw: bytes, endpoint: str) -> Line:
-    """The line `index` of a job's input (one JSON object), or BadLine saying what is wrong."""
+    """The line `index` of a job's input (one JSON object): BadLine when it is no request of
+    the job, UnreadableLine when it is that line's own error."""
     try:
-        found = json.loads(raw)
+        text = raw.removeprefix(codecs.BOM_UTF8).decode("utf-8")
+    except UnicodeDecodeError:
+        raise UnreadableLine(f"line {index + 1} is not UTF-8") from None
+    try:
+        found = json.loads(text)
+    except RecursionError:
+        raise UnreadableLine(_too_deep(index)) from None
     except ValueError as exc:
         raise BadLine(f"line {index + 1} is not JSON: {exc}") from None
     if not isinstance(found, dict):
@@ -66,14 +124,48 @@ def read_line(index: int, raw: bytes, endpoint: str) -> Line:
     custom_id = found.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
         raise BadLine(f"line {index + 1}: custom_id must be a string of 1 to 512 characters")
+    if "\x00" in custom_id or not _encodes(custom_id):
+        raise UnreadableLine(f"line {index + 1}: custom_id has a NUL or a lone surrogate")
     if found.get("method", "POST") != "POST":
         raise BadLine(f"line {index + 1}: method must be POST")
     if found.get("url") != endpoint:
         raise BadLine(f"line {index + 1}: url must be the batch's endpoint, {endpoint}")
     body = found.get("body")
+    _check_tree(index, found, custom_id)
     if not isinstance(body, dict) or not isinstance(body.get("model"), str):
         raise BadLine(f"line {index + 1}: body must be an object with a model")
     return Line(index, custom_id, json.dumps(body).encode())
+
+
+def _check_tree(index: int, found: Any, custom_id: str) -> None:
+    """UnreadableLine if the parsed line nests deeper than MAX_LINE_DEPTH or holds a NUL
+    character (no database stores one in text); walked without recursion, with one iterator
+    a level."""
+    levels: list[Iterator[Any]] = [iter((found,))]
+    while levels:
+        value = next(levels[-1], _END)
+        if value is _END:
+            levels.pop()
+        elif isinstance(value, str):
+            if "\x00" in value:
+                raise UnreadableLine(f"line {index + 1} has a NUL character (\\u0000)", custom_id)
+        elif isinstance(value, dict | list):
+            if len(levels) > MAX_LINE_DEPTH:
+                raise UnreadableLine(_too_deep(index), custom_id)
+            members = itertools.chain(value, value.values()) if isinstance(value, dict) else value
+            levels.append(iter(members))
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _too_deep(index: int) -> str:
+    return f"line {index + 1} nests deeper than {MAX_LINE_DEPTH} levels"
 
 
 def model_of(line: Line) -> str:

@@ -4,7 +4,10 @@ one model that serves completions. Then a JobLine per line and the job in_progre
 job failed, with what was wrong (OpenAI's `errors`: the first MAX_ERRORS).
 
 A line whose body its endpoint would refuse (a bad setting, a prompt too long) is no error of
-the job: it is answered as the endpoint would answer it, when it is fed.
+the job: it is answered as the endpoint would answer it, when it is fed. Nor is a line no
+request can be read from (over SAMPLING_BATCH_MAX_LINE_BYTES, nested deeper than
+offline.lines.MAX_LINE_DEPTH, not UTF-8, a NUL character): it is answered at once with a 400
+that says why, and never fed.
 """
 
 from __future__ import annotations
@@ -13,11 +16,22 @@ import logging
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.utils import timezone
+from redis.exceptions import RedisError
 
-from offline.lines import BadLine, Line, kind_of, model_of, read_line
+from offline.lines import (
+    BadLine,
+    Line,
+    UnreadableLine,
+    kind_of,
+    model_of,
+    raw_lines,
+    read_line,
+    refused,
+)
 from offline.models import Job, JobLine, Status
+from sampling.responses import Invalid
 from sampling.runtime import WebProcess
 
 log = logging.getLogger(__name__)
@@ -27,43 +41,24 @@ CREATE_CHUNK = 500
 
 
 def checked(process: WebProcess, job: Job) -> None:
-    """`run`, a failure to read the file failing the job (not the feeder's other jobs)."""
+    """`run`, a failure of this job's own failing the job (not the feeder's other jobs). A
+    database or Redis failure is the feeder's: it is raised, and the next run tries again."""
     try:
         run(process, job)
-    except OSError as exc:
-        log.exception("job %s: its input file cannot be read", job.id)
-        job.errors = [_error(f"the input file cannot be read: {exc}")]
+    except (DatabaseError, RedisError):
+        raise
+    except Exception as exc:  # the file cannot be read, or a line breaks what reads it
+        log.exception("job %s: its input file cannot be validated", job.id)
+        job.errors = [_error(f"the input file cannot be validated: {type(exc).__name__}")]
         job.save(update_fields=["errors", *job.mark(Status.FAILED, timezone.now())])
 
 
 def run(process: WebProcess, job: Job) -> None:
-    errors: list[dict[str, Any]] = []
-    lines: list[Line] = []
-    seen: set[str] = set()
-    with job.input_file.content.open("rb") as handle:
-        for raw in handle:
-            if not raw.strip():
-                continue
-            index = len(lines) + len(errors)
-            if index >= settings.SAMPLING_BATCH_MAX_LINES:
-                errors.append(_error(f"more than {settings.SAMPLING_BATCH_MAX_LINES} lines"))
-                break
-            try:
-                line = read_line(index, raw, job.endpoint)
-            except BadLine as bad:
-                errors.append(_error(str(bad), index))
-                if len(errors) >= MAX_ERRORS:
-                    break
-                continue
-            if line.custom_id in seen:
-                errors.append(_error(f"custom_id {line.custom_id!r} is not unique", index))
-                continue
-            seen.add(line.custom_id)
-            lines.append(line)
+    lines, unreadable, errors = _read(job)
     model = ""
     if not errors:
         if not lines:
-            errors.append(_error("the input file has no line"))
+            errors.append(_error("the input file has no readable line"))
         else:
             model, problem = _model(process, lines, job.key_id, kind_of(job.endpoint))
             if problem:
@@ -82,13 +77,71 @@ def run(process: WebProcess, job: Job) -> None:
             JobLine(job=job, line=line.index, custom_id=line.custom_id)
             for line in lines[start : start + CREATE_CHUNK]
         )
+    _answer_unreadable(job, unreadable)
     with transaction.atomic():
-        Job.objects.filter(id=job.id).update(model=model, total=len(lines))
+        Job.objects.filter(id=job.id).update(
+            model=model, total=len(lines) + len(unreadable), failed=len(unreadable)
+        )
         # Only a job still validating moves on: a cancel meanwhile stands.
         Job.objects.filter(id=job.id, status=Status.VALIDATING).update(
             status=Status.IN_PROGRESS, in_progress_at=now
         )
     job.refresh_from_db()
+
+
+def _read(job: Job) -> tuple[list[Line], dict[int, tuple[str, str]], list[dict[str, Any]]]:
+    """The input's lines read through: the requests, the lines that are their own error (by
+    index: why, and their custom_id or ""), and the errors that fail the job."""
+    errors: list[dict[str, Any]] = []
+    lines: list[Line] = []
+    unreadable: dict[int, tuple[str, str]] = {}
+    seen: set[str] = set()
+    limit = settings.SAMPLING_BATCH_MAX_LINE_BYTES
+    with job.input_file.content.open("rb") as handle:
+        for raw, _ in raw_lines(handle, limit):
+            if raw is not None and not raw.strip():
+                continue
+            index = len(lines) + len(errors) + len(unreadable)
+            if index >= settings.SAMPLING_BATCH_MAX_LINES:
+                errors.append(_error(f"more than {settings.SAMPLING_BATCH_MAX_LINES} lines"))
+                break
+            line = None
+            try:
+                if raw is None:
+                    raise UnreadableLine(f"line {index + 1} is over the {limit}-byte limit")
+                line = read_line(index, raw, job.endpoint)
+                custom_id = line.custom_id
+            except UnreadableLine as unread:  # kept as text: the exception holds the line
+                custom_id = unread.custom_id
+                why = str(unread)
+            except BadLine as bad:
+                errors.append(_error(str(bad), index))
+                if len(errors) >= MAX_ERRORS:
+                    break
+                continue
+            if custom_id in seen:
+                errors.append(_error(f"custom_id {custom_id!r} is not unique", index))
+                continue
+            if custom_id:
+                seen.add(custom_id)
+            if line is None:
+                unreadable[index] = (why, custom_id)
+            else:
+                lines.append(line)
+    return lines, unreadable, errors
+
+
+def _answer_unreadable(job: Job, unreadable: dict[int, tuple[str, str]]) -> None:
+    """The lines no request could be read from, answered at once with a 400 that says why:
+    never fed, in the job's error file."""
+    rows = [
+        JobLine(job=job, line=index, custom_id=custom_id, answered=True,
+                status_code=status, body=body)
+        for index, (why, custom_id) in unreadable.items()
+        for status, body in [refused(Invalid(why, code="invalid_line"))]
+    ]  # fmt: skip
+    for start in range(0, len(rows), CREATE_CHUNK):
+        JobLine.objects.bulk_create(rows[start : start + CREATE_CHUNK])
 
 
 def _error(message: str, index: int | None = None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from django.http.response import HttpResponseBase
 from django.utils import timezone
 
 from batching.access import Caller
-from offline.lines import ENDPOINTS
+from offline.lines import ENDPOINTS, count_lines
 from offline.models import ACTIVE, Job, Purpose, Status, StoredFile
 from sampling.responses import Invalid, json_response
 from sampling.wrappers import openai_endpoint
@@ -80,7 +80,7 @@ def _upload(request: HttpRequest, caller: Caller) -> HttpResponse:
     if upload.size is None or upload.size > limit:
         raise Invalid(f"the file is over the {limit}-byte limit", "file", status=413,
                       code="file_too_large")  # fmt: skip
-    lines = sum(1 for line in upload if line.strip())
+    lines = count_lines(upload.chunks())  # as validation reads them, in constant memory
     upload.seek(0)
     stored = StoredFile(key_id=caller.key_id, purpose=purpose, size=upload.size, lines=lines,
                         filename=(upload.name or "upload.jsonl")[:255])  # fmt: skip

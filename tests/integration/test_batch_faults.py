@@ -1,17 +1,24 @@
 """An offline job through faults: its worker killed (SIGKILL) in the middle of the job, then
 its Redis restarted with no data. The job completes, and every custom_id is in its output
-exactly once."""
+exactly once. A feeder run that failed (Redis away) keeps the feeder's lock: with Redis back
+with its data, the next job is fed within seconds, not once the lock's TTL has run out. A
+feeder killed while it finalizes a job: the next one finalizes it again."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from collections.abc import Callable, Iterator
 
 import pytest
+import redis
+from openai import OpenAI
 
+from batching.keys import QueueKeys
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
+from offline.feeder import LOCK_TTL_S
 from tests.support.batches import (
     batch_stack,
     chat_lines,
@@ -27,11 +34,25 @@ pytestmark = pytest.mark.integration
 
 LINES = 8000  # 4 s of 50 ms calls of 100, for the faults to fall in the middle of it
 TAKEN_TIMEOUT_S = 3  # what a killed worker's items wait before they go back
+# A job of a few lines after a failed feeder run: fed and done within this, well inside the
+# feeder lock's TTL (offline.feeder.LOCK_TTL_S) that a locked-out feeder waited for.
+FED_WITHIN_S = 15
+# A job whose finalization takes long enough to be caught in it, and the tries at that.
+FINALIZED_LINES = 20_000
+FINALIZING_TRIES = 3
 
 
 @pytest.fixture
 def own_redis() -> Iterator[EmbeddedRedis]:
     server = EmbeddedRedis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def durable_redis() -> Iterator[EmbeddedRedis]:
+    """A Redis that keeps its data across a kill (every write in its append-only file)."""
+    server = EmbeddedRedis(extra_args=["--appendonly", "yes", "--appendfsync", "always"]).start()
     yield server
     server.stop()
 
@@ -66,3 +87,59 @@ def test_a_job_survives_a_killed_worker_and_a_redis_restart(
     assert sorted(r["custom_id"] for r in output) == sorted(line["custom_id"] for line in lines)
     assert done.error_file_id is None
     assert completed(done) == LINES
+
+
+def test_a_failed_feeder_run_keeps_its_lock(
+    start_stack: Callable[..., Stack],
+    durable_redis: EmbeddedRedis,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    stack = batch_stack(
+        start_stack, "feeder-lock", tmp_path_factory.mktemp("files"), REDIS_URL=durable_redis.url
+    )
+    client = keyed_client(stack)
+    model = stack.env["SAMPLING_QUEUE"]
+    assert ended(client, create(client, chat_lines(model, 10, "before")).id).status == "completed"
+    assert stack.log_dir is not None
+    feeder_log = stack.log_dir / "feeder.log"
+    durable_redis.kill()
+    wait_until(lambda: "cannot feed offline jobs" in feeder_log.read_text(), 10, "a failed run")
+    durable_redis.start()  # with its data: the feeder's lock too, with most of its TTL
+    lock = QueueKeys(model).feeder_lock
+    assert redis.Redis.from_url(durable_redis.url).pttl(lock) > FED_WITHIN_S * 1000
+    done = ended(client, create(client, chat_lines(model, 10, "after")).id, FED_WITHIN_S)
+    assert done.status == "completed", done
+
+
+def test_a_feeder_killed_while_it_finalizes_a_job_is_followed_by_one_that_finishes_it(
+    start_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    stack = batch_stack(start_stack, "finalizing", tmp_path_factory.mktemp("files"))
+    client = keyed_client(stack)
+    model = stack.env["SAMPLING_QUEUE"]
+    for attempt in range(FINALIZING_TRIES):
+        lines = chat_lines(model, FINALIZED_LINES, f"finalizing-{attempt}")
+        job = create(client, lines)
+        found = wait_until(functools.partial(_finalizing, client, job.id), 120, "finalizing")
+        assert stack.feeder is not None
+        if found == "finalizing":
+            os.kill(stack.feeder.pid, signal.SIGKILL)
+            stack.feeder.wait(timeout=10)
+            if client.batches.retrieve(job.id).status == "finalizing":
+                break  # killed in the middle of it
+            stack.start_feeder()  # too late: the job had completed
+    else:
+        pytest.fail(f"the feeder was never killed while it finalized, in {FINALIZING_TRIES} jobs")
+    stack.start_feeder()
+    # The killed feeder's lock holds the new one off until it expires.
+    done = ended(client, job.id, timeout_s=LOCK_TTL_S + FED_WITHIN_S)
+    assert done.status == "completed", done
+    output = records(client, done.output_file_id)
+    assert [r["custom_id"] for r in output] == [line["custom_id"] for line in lines]
+    assert completed(done) == FINALIZED_LINES
+
+
+def _finalizing(client: OpenAI, batch_id: str) -> str:
+    """The job's status once it is finalizing or completed; "" before."""
+    status = client.batches.retrieve(batch_id).status
+    return status if status in ("finalizing", "completed") else ""

@@ -26,7 +26,9 @@ EMBEDDINGS: Endpoint = "/v1/embeddings"
 ENDED = ("completed", "failed", "cancelled", "expired")
 
 
-def batch_stack(start_stack: Callable[..., Stack], label: str, files: Path, **env: str) -> Stack:
+def batch_stack(
+    start_stack: Callable[..., Stack], label: str, files: Path, workers: int = 1, **env: str
+) -> Stack:
     settings = {
         "SAMPLER": "simulated",
         "SIMULATED_BATCH_MS": "50",
@@ -34,7 +36,7 @@ def batch_stack(start_stack: Callable[..., Stack], label: str, files: Path, **en
         "SAMPLING_FILES_DIR": str(files),
         **env,
     }
-    return start_stack(label, env=settings, web_processes=2)
+    return start_stack(label, env=settings, gpus=[None] * workers, web_processes=2)
 
 
 def client_of(stack: Stack, key: str) -> OpenAI:
