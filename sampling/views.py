@@ -125,9 +125,12 @@ def healthz(request: HttpRequest) -> HttpResponse:
 def readyz(request: HttpRequest) -> HttpResponse:
     """Ready when Redis answers and the default model (or `?model=`'s) has a live worker: a
     web process serves every model, and one model without a worker must not take the
-    others' traffic away with the web pods (its requests get a fast 503 instead)."""
+    others' traffic away with the web pods (its requests get a fast 503 instead). A name
+    the catalog does not hold is a 404 that leaves nothing behind (the probe is public)."""
     process = web_process()
     name = request.GET.get("model") or process.default_model
+    if name != process.default_model and name not in process.catalog.current.models:
+        return _reason(404, f"no model {name[:100]!r} in the catalog")
     try:
         process.client.ping()
         workers = process.model(name).read_live_workers()

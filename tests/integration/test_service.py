@@ -27,6 +27,8 @@ from tests.support.probe_sampler import seen_key
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
+UNKNOWN_READINESS_NAMES = 1000
+
 pytestmark = pytest.mark.integration
 
 
@@ -129,6 +131,16 @@ def test_health_and_readiness(service: Stack) -> None:
     reply = request(service.base_url, "/readyz", method="GET")
     assert reply.status == 200
     assert "1 worker" in reply.body
+
+
+def test_readiness_of_a_model_nobody_registered_is_a_404(service: Stack) -> None:
+    """The probe is public behind the shipped nginx: a name the catalog does not hold gets a
+    404, and no model is made for it (each held a Redis poller of its own, never freed)."""
+    names = [f"no-such-{uuid.uuid4().hex}" for _ in range(UNKNOWN_READINESS_NAMES)]
+    replies = [request(service.base_url, f"/readyz?model={name}", method="GET") for name in names]
+    assert {reply.status for reply in replies} == {404}
+    assert names[0] in replies[0].body
+    assert request(service.base_url, "/readyz", method="GET").status == 200
 
 
 def test_deadline_shorter_than_a_call_gives_504_and_never_reaches_the_sampler(
