@@ -94,12 +94,14 @@ def queue_answers(
     answers: Sequence[Answer],
 ) -> None:
     """Queue on `pipe` the answers of the backfill items a seal of `keys`' shard took (their
-    raw strings `taken`): off the taken set, onto the done list."""
+    raw strings `taken`): onto the done list, then off the taken set. Any prefix of the two
+    loses no line (a pipeline cut short, a crash, a replica that has the first): an item still
+    taken goes back to the lane in time, and its second answer is dropped (the first stays)."""
     if not taken:
         return
-    pipe.zrem(keys.backfill_taken, *taken)
     done = zip(items, answers, strict=True)
     pipe.rpush(keys.backfill_done, *(Done(i.job, i.line, a).wire() for i, a in done))
+    pipe.zrem(keys.backfill_taken, *taken)
 
 
 class Backfill:

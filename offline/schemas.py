@@ -3,7 +3,7 @@ the views build them as dicts, offline.models)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -43,7 +43,9 @@ class BatchCreateRequest(BaseModel):
     input_file_id: str = Field(description="A file of purpose batch: one request per line.")
     endpoint: EndpointName
     completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = None
+    metadata: (
+        dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
+    ) = Field(None, max_length=16, description="Up to 16 pairs; no NUL in them.")
 
 
 class BatchError(BaseModel):

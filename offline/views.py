@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -30,6 +31,11 @@ keyed = functools.partial(openai_endpoint, key_for="files and batches belong to 
 Owned = TypeVar("Owned", StoredFile, Job)
 COMPLETION_WINDOW = "24h"
 LIST_LIMIT = (1, 100)
+# An id this server could have made (offline.models: `file-<hex>`, `batch_<hex>`); any other
+# string is unknown without asking the database, which may refuse it (a NUL, say).
+ID = re.compile(r"[a-z]{4,5}[-_][0-9a-f]{1,32}")
+# OpenAI's bounds on a batch's metadata.
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
 
 def _page(objects: list[dict[str, Any]], limit: int) -> HttpResponse:
@@ -48,7 +54,8 @@ def _page(objects: list[dict[str, Any]], limit: int) -> HttpResponse:
 def _limit(request: HttpRequest, default: int) -> int:
     raw = request.GET.get("limit", str(default))
     low, high = LIST_LIMIT
-    if not raw.isdigit() or not low <= int(raw) <= high:
+    # ASCII digits, and few: int() refuses "²" and numbers of over 4,300 digits.
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 6 and low <= int(raw) <= high):
         raise Invalid(f"limit must be an integer from {low} to {high}", "limit")
     return int(raw)
 
@@ -60,6 +67,8 @@ def files(request: HttpRequest, caller: Caller) -> HttpResponse:
         limit = _limit(request, 100)
         found = StoredFile.objects.filter(key_id=caller.key_id)
         if purpose := request.GET.get("purpose"):
+            if purpose not in Purpose.values:
+                raise Invalid(f"purpose must be one of {Purpose.values}", "purpose")
             found = found.filter(purpose=purpose)
         return _page([f.as_openai() for f in found[: limit + 1]], limit)
     return _upload(request, caller)
@@ -73,7 +82,7 @@ def _upload(request: HttpRequest, caller: Caller) -> HttpResponse:
                       code="file_too_large")  # fmt: skip
     purpose = request.POST.get("purpose", "")
     if purpose != Purpose.BATCH:
-        raise Invalid(f"purpose must be {Purpose.BATCH!r}, got {purpose!r}", "purpose")
+        raise Invalid(f"purpose must be {Purpose.BATCH.value!r}, got {purpose!r:.100}", "purpose")
     upload = request.FILES.get("file")
     if not isinstance(upload, UploadedFile):
         raise Invalid("send the file as the multipart field 'file'", "file")
@@ -89,17 +98,19 @@ def _upload(request: HttpRequest, caller: Caller) -> HttpResponse:
     return json_response(200, stored.as_openai())
 
 
-def _owned(model: type[Owned], caller: Caller, ident: str) -> Owned:
+def _owned(model: type[Owned], caller: Caller, ident: str, param: str | None = None) -> Owned:
     """The caller's file or job `ident`; another key's is as unknown as a missing one."""
-    found = model._default_manager.filter(id=ident, key_id=caller.key_id).first()
+    found = None
+    if ID.fullmatch(ident):
+        found = model._default_manager.filter(id=ident, key_id=caller.key_id).first()
     if found is None:
         kind = "file" if model is StoredFile else "batch"
-        raise Invalid(f"no {kind} {ident!r}", status=404, code="not_found")
+        raise Invalid(f"no {kind} {ident!r:.100}", param, status=404, code="not_found")
     return found
 
 
-def _own_file(caller: Caller, file_id: str) -> StoredFile:
-    return _owned(StoredFile, caller, file_id)
+def _own_file(caller: Caller, file_id: str, param: str | None = None) -> StoredFile:
+    return _owned(StoredFile, caller, file_id, param)
 
 
 @keyed("GET", "DELETE")
@@ -130,9 +141,7 @@ def batches(request: HttpRequest, caller: Caller) -> HttpResponse:
         limit = _limit(request, 20)
         found = Job.objects.filter(key_id=caller.key_id).select_related("input_file")
         if after := request.GET.get("after"):
-            cursor = Job.objects.filter(id=after, key_id=caller.key_id).first()
-            if cursor is None:
-                raise Invalid(f"no batch {after!r}", "after", status=404, code="not_found")
+            cursor = _owned(Job, caller, after, "after")
             found = found.filter(created__lt=cursor.created)
         return _page([job.as_openai() for job in found[: limit + 1]], limit)
     return _create(request, caller)
@@ -141,22 +150,28 @@ def batches(request: HttpRequest, caller: Caller) -> HttpResponse:
 def _create(request: HttpRequest, caller: Caller) -> HttpResponse:
     try:
         body = json.loads(request.body or b"{}")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise Invalid(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise Invalid("send a JSON object", code="invalid_json")
     endpoint = body.get("endpoint")
-    if endpoint not in ENDPOINTS:
-        raise Invalid(f"endpoint must be one of {sorted(ENDPOINTS)}, got {endpoint!r}", "endpoint")
+    if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
+        raise Invalid(f"endpoint must be one of {sorted(ENDPOINTS)}, got {endpoint!r:.100}",
+                      "endpoint")  # fmt: skip
     window = body.get("completion_window", COMPLETION_WINDOW)
     if window != COMPLETION_WINDOW:
         raise Invalid(f"completion_window must be {COMPLETION_WINDOW!r}", "completion_window")
     metadata = body.get("metadata")
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    ):
-        raise Invalid("metadata must be an object of strings", "metadata")
-    input_file = _own_file(caller, str(body.get("input_file_id", "")))
+    if metadata is not None and not _fair_metadata(metadata):
+        raise Invalid(
+            f"metadata must be an object of at most {METADATA_PAIRS} strings, keys of at most "
+            f"{METADATA_KEY_CHARS} characters and values of at most {METADATA_VALUE_CHARS}, "
+            "without NUL", "metadata",
+        )  # fmt: skip
+    input_file_id = body.get("input_file_id")
+    if not isinstance(input_file_id, str):
+        raise Invalid("input_file_id must be the id of a file of purpose 'batch'", "input_file_id")
+    input_file = _own_file(caller, input_file_id, "input_file_id")
     if input_file.purpose != Purpose.BATCH:
         raise Invalid(f"file {input_file.id!r} is not of purpose 'batch'", "input_file_id")
     job = Job.objects.create(
@@ -164,6 +179,24 @@ def _create(request: HttpRequest, caller: Caller) -> HttpResponse:
         completion_window=window, expires_at=timezone.now() + timedelta(hours=24),
     )  # fmt: skip
     return json_response(200, job.as_openai())
+
+
+def _fair_metadata(metadata: object) -> bool:
+    return (
+        isinstance(metadata, dict) and len(metadata) <= METADATA_PAIRS
+        and all(isinstance(value, str) and len(key) <= METADATA_KEY_CHARS
+                and len(value) <= METADATA_VALUE_CHARS and _storable(key + value)
+                for key, value in metadata.items())
+    )  # fmt: skip
+
+
+def _storable(text: str) -> bool:
+    """No NUL and no lone surrogate: text every database stores and UTF-8 writes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in text
 
 
 def _own_job(caller: Caller, job_id: str) -> Job:

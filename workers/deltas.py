@@ -26,6 +26,10 @@ from batching.topology import is_cluster
 
 log = logging.getLogger(__name__)
 
+# The call's end waits this long at most for its last deltas to go: a slow Redis must not
+# hold the worker (the answers carry the whole text; later deltas of it are dropped).
+EXIT_WAIT_S = 0.5
+
 
 class DeltaPublisher:
     """For one call of batch `batch_id`: `sink(row, text)` gathers, a thread publishes. The
@@ -75,11 +79,14 @@ class DeltaPublisher:
         value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        """The call ended: what is still gathered goes now, before the answers are stored."""
+        """The call ended: what is still gathered goes now, before the answers are stored,
+        unless Redis takes longer than EXIT_WAIT_S to take it."""
         self._stop.set()
         self._wake.set()
-        self._thread.join()
-        self.flush()
+        self._thread.join(EXIT_WAIT_S)
+        if self._thread.is_alive():
+            log.warning("batch %s: last deltas still not published after %g s; the answers "
+                        "carry the whole text", self.batch_id, EXIT_WAIT_S)  # fmt: skip
 
     def _run(self) -> None:
         while True:
@@ -88,12 +95,13 @@ class DeltaPublisher:
             # lost (cleared after it, the thread waited for good and the call never ended).
             self._wake.clear()
             if self._stop.is_set():
-                return
+                break
             wait_s = self._last + self.interval_s - time.monotonic()
             if wait_s > 0 and self._stop.wait(wait_s):
-                return
+                break
             self._last = time.monotonic()
             self.flush()
+        self.flush()  # what the call gathered last
 
     def flush(self) -> None:
         with self._lock:

@@ -274,6 +274,7 @@ class BatchRunner:
                 )  # fmt: skip
                 with publisher:
                     completions = self.sampler.batched_complete(rows, sink=publisher.sink)
+                    self.busy_since = None  # the call ended: its last deltas' wait is not its
             else:
                 completions = self.sampler.batched_complete(rows)
             if len(completions) != len(rows):

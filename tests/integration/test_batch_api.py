@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import openai
 import pytest
@@ -167,3 +168,36 @@ def test_a_key_sees_only_its_own_files_and_batches(
     anonymous = request(stack.base_url, "/v1/batches", method="GET")
     assert anonymous.status == 401
     assert json.loads(anonymous.body)["error"]["code"] == "missing_api_key"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/v1/files?limit=%C2%B2", None),  # "²" is a digit to str.isdigit
+        ("GET", "/v1/batches?limit=" + "9" * 3000, None),  # gunicorn takes 4,094-byte lines
+        ("GET", "/v1/batches?after=batch_%00", None),
+        ("GET", "/v1/batches?after=" + "b" * 3000, None),
+        ("GET", "/v1/files/file-%00", None),
+        ("GET", "/v1/batches/" + "batch_" + "f" * 3000, None),
+        ("POST", "/v1/batches", {"endpoint": [], "input_file_id": "file-00"}),
+        ("POST", "/v1/batches", {"endpoint": {"a": 1}, "input_file_id": "file-00"}),
+        ("POST", "/v1/batches", {"endpoint": CHAT, "input_file_id": {"x": []}}),
+        ("POST", "/v1/batches", {"endpoint": CHAT, "input_file_id": "file-\u0000"}),
+        ("POST", "/v1/batches", {"endpoint": CHAT, "metadata": {"k": "v\u0000"}}),
+        ("POST", "/v1/batches", {"endpoint": CHAT, "metadata": {"k": "v" * 100_000}}),
+        ("POST", "/v1/batches", {"endpoint": CHAT, "metadata": {str(i): "" for i in range(99)}}),
+        ("POST", "/v1/batches", {"endpoint": CHAT, "metadata": {"k": "\ud800"}}),
+        ("POST", "/v1/batches", {"endpoint": CHAT, "metadata": {"\udfff": "v"}}),
+        ("POST", "/v1/batches", {"endpoint": CHAT, "input_file_id": ["file-00"]}),
+        ("POST", "/v1/batches", "[" * 100_000 + "]" * 100_000),
+        ("GET", "/v1/files?purpose=a%00b", None),
+    ],
+)  # fmt: skip
+def test_hostile_parameters_get_a_4xx_that_says_why(
+    stack: Stack, client: OpenAI, method: str, path: str, body: dict[str, Any] | str | None
+) -> None:
+    headers = {"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json"}
+    payload = json.dumps(body) if isinstance(body, dict) else body
+    reply = request(stack.base_url, path, payload, method=method, headers=headers)
+    assert 400 <= reply.status < 500, reply
+    assert json.loads(reply.body)["error"]["message"]

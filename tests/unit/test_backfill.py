@@ -84,6 +84,29 @@ def test_answers_leave_the_taken_set_for_the_feeder(aggregator: BatchAggregator)
     assert lanes.collect(100) == ([], [0])
 
 
+@pytest.mark.parametrize("written", [0, 1, 2])
+def test_an_answer_written_in_part_loses_no_line(aggregator: BatchAggregator, written: int) -> None:
+    """A worker's answer cut short after `written` of its commands (a pipeline broken off, a
+    crash, a failover to a replica that has only them): each line is answered, or still taken
+    and so put back in the lane in time."""
+    lanes = Backfill(aggregator.client, aggregator.shards)
+    lanes.push(_items("job-p", 3))
+    keys = aggregator.shards[0]
+    sealed = aggregator.seal(keys.batch_id("t"), lane=BACKFILL_TURN, places=3)
+    items = [BackfillItem.parse(raw) for raw in sealed.backfill]
+    answers = [Answer(ItemOutcome.OK, f"text {i}", "stop", 3, 2) for i in range(3)]
+    with aggregator.client.pipeline(transaction=False) as pipe:
+        queue_answers(pipe, keys, sealed.backfill, items, answers)
+        pipe.command_stack = pipe.command_stack[:written]
+        pipe.execute()
+    answered = {done.line for done in lanes.collect(100)[0]}
+    still_taken = {BackfillItem.parse(raw).line
+                   for raw in aggregator.client.zrange(keys.backfill_taken, 0, -1)}  # fmt: skip
+    assert answered | still_taken == {0, 1, 2}
+    if still_taken:
+        assert lanes.requeue_stale(sealed.now_ms + 1001, timeout_ms=1000) == len(still_taken)
+
+
 def test_items_taken_too_long_ago_go_back_first(aggregator: BatchAggregator) -> None:
     lanes = Backfill(aggregator.client, aggregator.shards)
     lanes.push(_items("job-e", 4))

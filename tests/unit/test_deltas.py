@@ -16,8 +16,9 @@ from batching.deltas import Delta, Feed, delta_message, is_delta, parse_deltas
 from batching.generation import SampleRequest
 from batching.items import item_of, parse_item
 from batching.keys import ShardKeys, results_channel
+from inference_site.lib.embedded_redis import EmbeddedRedis
 from tests.support.waiting import wait_until
-from workers.deltas import DeltaPublisher
+from workers.deltas import EXIT_WAIT_S, DeltaPublisher
 
 
 @pytest.mark.parametrize(("key_id", "cache"), [(0, ""), (7, ""), (7, "ab12cd")])
@@ -123,6 +124,31 @@ def test_a_call_that_ends_while_its_publisher_publishes_is_never_waited_for(
     assert not publisher._thread.is_alive()
     publisher.__exit__(None, None, None)
     assert publisher.published >= 1
+
+
+# Redis answers no command for this long: far past the publisher's wait at a call's end.
+PAUSE_MS = 4000
+
+
+def test_a_call_that_ends_while_redis_is_slow_waits_for_its_deltas_a_bounded_time() -> None:
+    """A slow Redis at a call's end (paused here) holds the call's end EXIT_WAIT_S at most:
+    the worker's watchdog took the wait for a hung GPU and ended the worker."""
+    server = EmbeddedRedis().start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        batch_id = ShardKeys(uuid.uuid4().hex[:8]).batch_id("x3")
+        publisher = DeltaPublisher(client, batch_id, [0], interval_ms=5).__enter__()
+        publisher.sink(0, " first")
+        wait_until(lambda: publisher.published == 1, what="the first delta")
+        redis.Redis.from_url(server.url).client_pause(PAUSE_MS)
+        publisher.sink(0, " last")
+        began = time.monotonic()
+        publisher.__exit__(None, None, None)
+        waited_s = time.monotonic() - began
+        # Bounded by the wait and a thread's scheduling on a busy machine, not by the pause.
+        assert waited_s < EXIT_WAIT_S + (PAUSE_MS / 1000 - EXIT_WAIT_S) / 2, waited_s
+    finally:
+        server.stop()
 
 
 def test_a_publisher_that_cannot_publish_never_fails_the_call() -> None:
