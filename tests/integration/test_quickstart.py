@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,11 +83,33 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as the page says
         try:
-            process.wait(timeout=60)
+            process.wait(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         log.close()
+        # The stack's processes run in sessions of their own: any left behind would take the
+        # next tests' CPU. Stopped, and named in the warnings summary.
+        if left := _processes_with(f"PORT={port}"):
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            warnings.warn(f"make run left {sorted(left.values())} running", stacklevel=1)
+
+
+def _processes_with(variable: str) -> dict[int, str]:
+    """This user's processes whose environment holds `variable` (NAME=value): pid, command."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone, or another user's
+            continue
+        if variable.encode() in environ:
+            found[int(entry.name)] = command.strip()
+    return found
 
 
 def test_the_curl_line_answers_what_the_page_shows(served: str) -> None:
