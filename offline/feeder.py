@@ -8,8 +8,9 @@ runs `tick` every FEED_INTERVAL_S:
 3. items taken longer than SAMPLING_BACKFILL_TAKEN_TIMEOUT_S ago put back (their worker
    died); after Redis lost the lanes (a restart: a shard's epoch key is gone), each job's
    unanswered lines fed again;
-4. in_progress jobs fed, oldest first, until each model's lanes hold AHEAD_CALLS calls' worth
-   per live worker (an idle farm never waits for the next run);
+4. in_progress jobs fed until each model's lanes hold AHEAD_CALLS calls' worth per live
+   worker (an idle farm never waits for the next run), the room dealt evenly to the keys with
+   a job, each key's jobs oldest first;
 5. jobs with every line answered finalized (offline.finish); a cancelled or expired job's
    items withdrawn, and once none is still in a call, finalized with what is done; a job
    left finalizing (its run cut short) finalized again.
@@ -141,8 +142,16 @@ class Feeder:
         waiting, _ = lanes.depth()
         live = model.aggregator.workers.live_count()
         room = max(0, AHEAD_CALLS * model.watcher.current.max_batch_size * max(1, live) - waiting)
+        # The room dealt evenly to the keys with a job to feed, each key's jobs oldest first:
+        # one tenant's long job cannot hold another's back until it is all fed.
+        keys = {job.key_id for job in jobs if job.status == Status.IN_PROGRESS}
+        share = dict.fromkeys(keys, max(1, room // max(1, len(keys))))
         for job in jobs:
-            room -= _alone(job.id, "moved on", self._move_job_on, lanes, model, job, epoch, room)
+            at_most = min(room, share.get(job.key_id, room))
+            fed = _alone(job.id, "moved on", self._move_job_on, lanes, model, job, epoch, at_most)
+            room -= fed
+            if job.key_id in share:
+                share[job.key_id] -= fed
 
     def _move_job_on(
         self, lanes: Backfill, model: ServedModel, job: Job, epoch: str, room: int

@@ -23,12 +23,14 @@ from tests.support.batches import (
     CHAT,
     batch_stack,
     chat_lines,
+    completed,
     create,
     ended,
     jsonl,
     keyed_client,
     records,
 )
+from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
@@ -145,3 +147,17 @@ def test_a_file_of_one_long_line_is_read_in_bounded_memory(stack: Stack, model: 
     peak = re.search(r"VmHWM:\s+(\d+) kB", status)
     assert peak is not None
     assert int(peak.group(1)) * 1024 < FEEDER_PEAK_BYTES, status
+
+
+def test_one_tenants_long_job_holds_no_other_tenants_job_back(stack: Stack, model: str) -> None:
+    """The feeder deals the lanes' room to the keys in turn: a job created while another key's
+    long one runs is fed at once, behind at most the lanes' room, not once the long one is all
+    fed (with all but that room done)."""
+    big, small = keyed_client(stack, "big"), keyed_client(stack, "small")
+    long_job = create(big, chat_lines(model, LINES, "big"))
+    wait_until(lambda: completed(big.batches.retrieve(long_job.id)) > 0, 60, "the long job")
+    done = ended(small, create(small, chat_lines(model, 100, "small")).id, timeout_s=120)
+    assert done.status == "completed", done
+    room = AHEAD_CALLS * MAX_BATCH * WORKERS
+    assert completed(big.batches.retrieve(long_job.id)) < LINES - room
+    assert ended(big, long_job.id, timeout_s=300).status == "completed"
