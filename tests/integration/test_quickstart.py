@@ -66,7 +66,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = (tmp_path_factory.mktemp("quickstart-log") / "make-run.log").open("wb")
     process = subprocess.Popen(
         run.split(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_ctrl_c_heard,
     )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -94,6 +94,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
             warnings.warn(f"make run left {sorted(left.values())} running", stacklevel=1)
+
+
+def _ctrl_c_heard() -> None:
+    """In `make run`'s process, before it starts: SIGINT's default action, as in a terminal. A
+    test run started in the background by a script inherits SIGINT ignored, and so would
+    make and the stack, which then never stopped."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _processes_with(variable: str) -> dict[int, str]:
