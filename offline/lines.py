@@ -124,7 +124,7 @@ def read_line(index: int, raw: bytes, endpoint: str) -> Line:
     custom_id = found.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
         raise BadLine(f"line {index + 1}: custom_id must be a string of 1 to 512 characters")
-    if "\x00" in custom_id or not _encodes(custom_id):
+    if not storable(custom_id):
         raise UnreadableLine(f"line {index + 1}: custom_id has a NUL or a lone surrogate")
     if found.get("method", "POST") != "POST":
         raise BadLine(f"line {index + 1}: method must be POST")
@@ -156,12 +156,13 @@ def _check_tree(index: int, found: Any, custom_id: str) -> None:
             levels.append(iter(members))
 
 
-def _encodes(text: str) -> bool:
+def storable(text: str) -> bool:
+    """No NUL and no lone surrogate: text every database stores and UTF-8 writes."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         return False
-    return True
+    return "\x00" not in text
 
 
 def _too_deep(index: int) -> str:

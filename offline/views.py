@@ -21,7 +21,7 @@ from django.http.response import HttpResponseBase
 from django.utils import timezone
 
 from batching.access import Caller
-from offline.lines import ENDPOINTS, count_lines
+from offline.lines import ENDPOINTS, count_lines, storable
 from offline.models import ACTIVE, Job, Purpose, Status, StoredFile
 from sampling.responses import Invalid, json_response
 from sampling.wrappers import openai_endpoint
@@ -185,18 +185,9 @@ def _fair_metadata(metadata: object) -> bool:
     return (
         isinstance(metadata, dict) and len(metadata) <= METADATA_PAIRS
         and all(isinstance(value, str) and len(key) <= METADATA_KEY_CHARS
-                and len(value) <= METADATA_VALUE_CHARS and _storable(key + value)
+                and len(value) <= METADATA_VALUE_CHARS and storable(key + value)
                 for key, value in metadata.items())
     )  # fmt: skip
-
-
-def _storable(text: str) -> bool:
-    """No NUL and no lone surrogate: text every database stores and UTF-8 writes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return "\x00" not in text
 
 
 def _own_job(caller: Caller, job_id: str) -> Job:

@@ -6,7 +6,6 @@ character) are their own lines' errors: the job runs on, and another tenant's jo
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from collections.abc import Callable
@@ -14,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from openai import OpenAI
 
 from batching.generation import render_chat_plain
 from inference_site.lib.stack import Stack
@@ -98,13 +96,6 @@ def hostile_line(custom_id: str, model: str, content: bytes) -> bytes:
     )  # fmt: skip
 
 
-def upload(client: OpenAI, content: bytes) -> str:
-    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
-    created = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
-                                    completion_window="24h")  # fmt: skip
-    return created.id
-
-
 def test_unreadable_lines_are_their_own_errors_and_stop_no_job(stack: Stack, model: str) -> None:
     tenant_a, tenant_b = keyed_client(stack, "tenant-a"), keyed_client(stack, "tenant-b")
     good = chat_lines(model, 3, "fine")
@@ -113,7 +104,7 @@ def test_unreadable_lines_are_their_own_errors_and_stop_no_job(stack: Stack, mod
         + hostile_line("long", model, json.dumps("x" * 50 * 10**6).encode())
         + hostile_line("nul", model, b'"a\\u0000b"')
     )
-    job_a = upload(tenant_a, jsonl(good[:1]) + hostile + jsonl(good[1:]))
+    job_a = create(tenant_a, jsonl(good[:1]) + hostile + jsonl(good[1:])).id
     others = chat_lines(model, 100, "other")
     done_b = ended(tenant_b, create(tenant_b, others).id, timeout_s=OTHERS_DONE_WITHIN_S)
     assert done_b.status == "completed", done_b
@@ -140,7 +131,7 @@ def test_unreadable_lines_are_their_own_errors_and_stop_no_job(stack: Stack, mod
 def test_a_file_of_one_long_line_is_read_in_bounded_memory(stack: Stack, model: str) -> None:
     client = keyed_client(stack, "one-line")
     content = hostile_line("huge", model, json.dumps("y" * ONE_LINE_BYTES).encode())
-    done = ended(client, upload(client, content))
+    done = ended(client, create(client, content).id)
     assert done.status == "failed", done  # no readable line, so no model: the job fails
     assert stack.feeder is not None
     status = Path(f"/proc/{stack.feeder.pid}/status").read_text()

@@ -71,8 +71,9 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 
 
-def create(client: OpenAI, lines: list[dict[str, Any]], endpoint: Endpoint = CHAT) -> Batch:
-    content = jsonl(lines)
+def create(client: OpenAI, lines: list[dict[str, Any]] | bytes, endpoint: Endpoint = CHAT) -> Batch:
+    """A job of `lines` (or of a file's raw content), once its file is uploaded."""
+    content = lines if isinstance(lines, bytes) else jsonl(lines)
     uploaded = client.files.create(file=("input.jsonl", io.BytesIO(content)), purpose="batch")
     assert uploaded.bytes == len(content)
     created = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint,
