@@ -245,6 +245,7 @@ class AccessWatcher:
         self.missing_since: float | None = None  # monotonic, while Redis has no intact set
         self._seen_as: tuple[bytes | None, bytes | None] | None = None  # (version, digest)
         self._keys: dict[str, KeyRecord] = {}
+        self._by_id: dict[int, KeyRecord] = {}
         self._anonymous = anonymous_caller()
         self._seen: dict[int, float] = {}  # key id -> last seen (epoch s), not yet flushed
         # Some key or tier limits completion tokens: the token charges are read each poll.
@@ -321,6 +322,7 @@ class AccessWatcher:
             elif field == tier_field(ANONYMOUS_TIER):
                 anonymous = record
         self._keys, self._anonymous = keys, anonymous
+        self._by_id = {record.caller.key_id: record for record in keys.values()}
         self.limits_tokens = bool(anonymous.tpm) or any(r.caller.tpm for r in keys.values())
         self.budgeted = {
             r.caller.key_id: r.caller.budget_nanos for r in keys.values() if r.caller.budget_nanos
@@ -334,6 +336,21 @@ class AccessWatcher:
     def after_poll(self, job: Callable[[], None]) -> None:
         """Run `job` after each poll, in the poller's thread (it may raise redis errors)."""
         self._after_poll.append(job)
+
+    def standing(self, key_id: int, now: float | None = None) -> Caller | Refusal | None:
+        """What key `key_id` may do now, for work it asked earlier (an offline job): its
+        caller, or why it is refused (revoked, expired, deleted: UNKNOWN); None before the
+        records were read once."""
+        if not self.loaded:
+            return None
+        record = self._by_id.get(key_id)
+        if record is None:
+            return Refusal.UNKNOWN
+        if record.revoked:
+            return Refusal.REVOKED
+        if record.expires_at is not None and (now or time.time()) >= record.expires_at:
+            return Refusal.EXPIRED
+        return record.caller
 
     def identify(self, authorization: str | None, required: bool) -> Caller | Refusal | None:
         """The caller of a request with this Authorization header; a Refusal (401); or None

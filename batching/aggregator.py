@@ -377,7 +377,7 @@ class BatchAggregator:
         *,
         lane: int = -1,
         exact: bool = False,
-        places: int = 0,
+        places: int | Sequence[int] = 0,
         now_ms: int | None = None,
     ) -> SealedBatch:
         """Take the items of a batch of the task's shard (closing it, if it is an open one):
@@ -385,7 +385,7 @@ class BatchAggregator:
         whose batch is ready (see batching/lua/seal.lua); `exact`: that batch or none. A
         worker passes what it knows for admission (`inputs`), and gets the shard's batches
         due for a hand-over; with `places`, backfill items up to that many items in all
-        (batching.backfill)."""
+        (batching.backfill), or up to the smallest of several sizes that holds its items."""
         keys = self.shard_of(batch_id)
         raw = self._scripts["seal"](
             keys=[
@@ -409,7 +409,7 @@ class BatchAggregator:
                 lane,
                 int(exact),
                 self.hold_ms,
-                places,
+                places if isinstance(places, int) else ",".join(map(str, sorted(places))),
                 *_clock_arg(now_ms),
             ],
         )

@@ -4,9 +4,11 @@ While a call has streaming rows, its worker publishes their new text at most onc
 SAMPLING_STREAM_INTERVAL_MS (workers.deltas), one message for the whole batch, on the batch's
 shard's results channel: the channel its answers go on, to which every web process waiting
 on the shard listens already. A message is the batch id, a space, DELTA_MARK, then JSON
-{item index: [offset, new text]}, the offset being how many characters of the item's text
-earlier messages carried. Each web process's ResultListener hands it to the feeds open on the
-batch (one per streaming request waiting on it) and drops it when there is none.
+{item index: [offset, new text, prompt tokens, completion tokens]}: the offset is how many
+characters of the item's text earlier messages carried; the tokens are the item's so far
+(null where its sampler does not count them; older workers send the first two alone). Each
+web process's ResultListener hands it to the feeds open on the batch (one per streaming
+request waiting on it) and drops it when there is none.
 
 Deltas are an early view only: the batch's answers carry every item's whole text, and a
 stream sends what its deltas left out of it (batching.streaming: the deltas, joined, are
@@ -21,7 +23,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 # SAMPLING_STREAM_INTERVAL_MS's default: at most one delta message per batch this often, so
 # a 100 ms call shows about 10 deltas, and a call's first text goes out within this long of
@@ -32,12 +34,18 @@ STREAM_INTERVAL_MS = 10
 DELTA_MARK = b"delta "
 
 
-# An item's new text: (characters of its text sent before it, the text).
-Delta = tuple[int, str]
+class Delta(NamedTuple):
+    """An item's new text: characters of its text sent before it, the text, and the item's
+    tokens with it (None: not counted)."""
+
+    offset: int
+    text: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 def delta_message(task_id: str, deltas: Mapping[int, Delta]) -> bytes:
-    """The message that carries a batch's new text, {item index: (offset, text)}."""
+    """The message that carries a batch's new text, {item index: Delta}."""
     body = json.dumps({str(index): list(delta) for index, delta in deltas.items()},
                       ensure_ascii=False)  # fmt: skip
     return task_id.encode() + b" " + DELTA_MARK + body.encode()
@@ -48,10 +56,19 @@ def is_delta(payload: bytes) -> bool:
 
 
 def parse_deltas(payload: bytes) -> dict[int, Delta]:
-    """{item index: (offset, text)} of a delta message's payload (after the batch id and its
-    space)."""
-    raw = json.loads(payload[len(DELTA_MARK) :])
-    return {int(index): (int(offset), str(text)) for index, (offset, text) in raw.items()}
+    """{item index: Delta} of a delta message's payload (after the batch id and its space);
+    none of a message that is not one (dropped: its items' answers bring their text)."""
+    try:
+        raw = json.loads(payload[len(DELTA_MARK) :])
+        return {int(index): _delta(*values) for index, values in raw.items()}
+    except (ValueError, TypeError, AttributeError):
+        return {}
+
+
+def _delta(offset: Any, text: Any, prompt: Any = None, completion: Any = None) -> Delta:
+    if prompt is None or completion is None:
+        return Delta(int(offset), str(text))
+    return Delta(int(offset), str(text), int(prompt), int(completion))
 
 
 class Waited(Protocol):

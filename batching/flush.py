@@ -86,13 +86,26 @@ class Flusher:
     """One writer's flushes of one queue's statistics: `add` them, `send` them (again)."""
 
     def __init__(
-        self, queue: str, clock: Callable[[], float] = time.time, max_unsent: int = MAX_UNSENT
+        self,
+        queue: str,
+        clock: Callable[[], float] = time.time,
+        max_unsent: int = MAX_UNSENT,
+        writer: str = "",
+        sequence: int = 0,
+        applied: str = "",
+        applied_ttl_s: int = 0,
     ) -> None:
+        """`writer` and `sequence`: a writer that keeps its own (an offline job's charges:
+        offline.charges), whose next flush is `sequence` + 1; by default a new random id.
+        `applied` and `applied_ttl_s`: where its last applied sequence is kept, and how long
+        (by default the queue's hash of every writer's, as long as the 10-second buckets)."""
         self.keys = QueueKeys(queue)
+        self.applied = applied or self.keys.stats_applied
+        self.applied_ttl_s = applied_ttl_s
         self.clock = clock  # this process's clock: what its seconds are counted by
-        self.writer = uuid.uuid4().hex
+        self.writer = writer or uuid.uuid4().hex
         self.max_unsent = max_unsent
-        self._sequence = 0
+        self._sequence = sequence
         self._unsent: deque[Unsent] = deque()
         self._lock = threading.Lock()
         self._sending = threading.Lock()
@@ -125,14 +138,13 @@ class Flusher:
                 flush = self._unsent[0]
                 spend = monthly_spend(flush.counts)
                 self._script(client)(
-                    keys=[self.keys.stats_applied, self.keys.persisted_minute,
-                          self.keys.dirty_minutes],
+                    keys=[self.applied, self.keys.persisted_minute, self.keys.dirty_minutes],
                     args=[self.writer, flush.sequence, repr(self.clock()),
                           json.dumps(list(flush.counts.items()), separators=(",", ":")),
                           self.keys.stats_prefix, SECOND_TTL_S, TEN_SECONDS_TTL_S,
                           "" if clock_ms is None else clock_ms,
                           json.dumps(spend, separators=(",", ":")) if spend else "",
-                          self.keys.spend_prefix, MONTH_TTL_S],
+                          self.keys.spend_prefix, MONTH_TTL_S, self.applied_ttl_s or ""],
                 )  # fmt: skip
                 with self._lock:
                     if self._unsent and self._unsent[0] is flush:

@@ -81,6 +81,18 @@ class QueueKeys:
     def spend_of_month(self, month: str) -> str:
         return f"{self.spend_prefix}{month}"
 
+    def job_charges_applied(self, job_id: str) -> str:
+        """An offline job's charges' last applied sequence (offline.charges): kept apart from
+        `stats_applied`, as long as a month's spend totals."""
+        return f"{self.tag}:stats:applied:{job_id}"
+
+    @cached_property
+    def stats_epoch(self) -> str:
+        """A token housekeeping writes where it is missing, never expiring: missing with the
+        persisted-minute marker, Redis lost its data, and the month's spend totals are built
+        again from the database (operations.minutes)."""
+        return f"{self.tag}:stats:epoch"
+
     @cached_property
     def stats_prefix(self) -> str:
         """What every statistics bucket's key starts with (the flush script builds them)."""
@@ -111,6 +123,18 @@ class QueueKeys:
     def feeder_lock(self) -> str:
         """Held by the one web process that feeds the queue's offline jobs (offline.feeder)."""
         return f"{self.tag}:feeder"
+
+    @cached_property
+    def feeder_failures(self) -> str:
+        """A hash: a feeder step (validated, moved on, finalized, charged) -> how many times a
+        job's step failed (offline.feeder), for /metrics."""
+        return f"{self.tag}:feeder-failures"
+
+    @cached_property
+    def feeder_generation(self) -> str:
+        """A counter: each holding of the feeder's lock gets the next value, which fences the
+        shards' done lists (batching/lua/trim_done.lua)."""
+        return f"{self.tag}:feeder-generation"
 
 
 # The published model catalog (batching.catalog): one JSON value with a version, the models
@@ -156,8 +180,8 @@ class AccessKeys:
         return f"{self.prefix}:last-used"
 
     def tokens(self, window: int) -> str:
-        """A hash: a key's id -> the completion tokens its requests were charged in rate
-        window `window` (minutes since the epoch), by the workers as batches finish."""
+        """A hash: a key's id -> the tokens its requests reserved or used in rate window
+        `window` (minutes since the epoch): batching.ratelimit.Reservation."""
         return f"{self.prefix}:tpm:{window}"
 
 
@@ -239,8 +263,17 @@ class ShardKeys:
         """A hash: what admission needs (live workers, a turn's ms, shards, window), written
         by the workers' heartbeats and seals, and `predicted`, the ms a batch joined now would
         take to finish, refreshed whenever a batch closes or is sealed and on heartbeats; a
-        web process reads that one field (with a request's push, at most every 10 ms)."""
+        web process reads that one field (with a request's push, at most every 10 ms). Its
+        `calls` counts backfill turns, to name each one's entry in `call_ends`."""
         return f"{self.prefix}:admission"
+
+    @cached_property
+    def call_ends(self) -> str:
+        """A zset of the shard's latest calls (member: the sealed batch's id), scored by the
+        time (ms) its seal predicted the call ends: admission's view of when a GPU frees. The
+        seals keep the latest `workers` of them (batching/lua/common.lua builds the same
+        name from the prefix)."""
+        return f"{self.prefix}:call-ends"
 
     @staticmethod
     def predicted_field(lane: int) -> str:
@@ -290,6 +323,12 @@ class ShardKeys:
     def backfill_done(self) -> str:
         """A list of the answers of backfill items, for the feeder to collect."""
         return f"{self.prefix}:backfill-done"
+
+    @cached_property
+    def backfill_fence(self) -> str:
+        """The highest feeder generation that read `backfill_done`: an earlier holder (one
+        that stalled past its lock) may not trim it any more."""
+        return f"{self.prefix}:backfill-fence"
 
     def batch_id(self, unique: str) -> str:
         return f"{{{self.tag}}}{unique}"

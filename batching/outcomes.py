@@ -18,7 +18,7 @@ class ItemOutcome(StrEnum):
     PROMPT_REJECTED = "prompt_rejected"  # the sampler refused this prompt alone (too long...)
     ERROR = "error"  # the sampler failed for the whole batch
     NOT_DISPATCHED = "not_dispatched"  # the batch's task could not be sent (broker down)
-    CANCELLED = "cancelled"  # dropped before sampling: its streaming client had left
+    CANCELLED = "cancelled"  # its streaming client left: dropped before its call, or cut in it
 
 
 class RequestOutcome(StrEnum):

@@ -21,11 +21,15 @@ A request counts once against `rpm` whatever its number of items (n choices, a l
 prompts), as OpenAI counts requests; with SAMPLING_RATE_LIMIT_PER_ITEM (`COUNT_ITEMS`) each
 item counts one, and a request whose items do not all fit is refused whole.
 
-Tokens are known only once sampled: the workers charge each batch's completion tokens to
-the keys of its items when the batch finishes (`queue_token_charges`, in the batch's report).
-Every web process reads the window's charges with its key poll (AccessWatcher's loop, every
-0.5 s) and refuses a key whose charges reached its limit until the window ends (a key may
-overrun by what its requests in flight sample, as with any limit of tokens not yet known).
+Tokens are known only once sampled, so a request of a key with a tokens limit reserves at
+admission the most it may use (each item's `max_tokens`; an embedding's input bytes, which
+bound its tokens) in one script call (batching/lua/reserve_tokens.lua): refused while the
+key's tokens in the window already reached the limit. Once answered it settles the
+difference (`Reservation.settle`: the completion tokens its answers carry, an embedding's
+input tokens, a cut stream's tokens sent; 0 for a failure). So requests in flight overrun the
+limit by one request's reservation at most. Every web process also reads the window's tokens
+with its key poll (AccessWatcher's loop, every 0.5 s) and refuses a key at its limit itself,
+with no Redis call, until the window ends.
 
 Anonymous requests share the anonymous tier's limits, counted as key 0. This module knows
 nothing of Django.
@@ -36,11 +40,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
+from batching import scripts
 from batching.access import KEYS, Caller
 from batching.keys import AccessKeys, ShardKeys
 from batching.topology import REDIS_FAULTS
@@ -103,6 +108,30 @@ class TokenCharges:
     by_key: dict[int, int] = field(default_factory=dict)  # key id -> tokens in `window`
 
 
+@dataclass
+class Reservation:
+    """The tokens a request of a key with a tokens limit holds in its window from admission
+    until it settles them to what it used (once: batching/lua/settle_tokens.lua)."""
+
+    settle_script: Any
+    key: str  # the window's tokens hash
+    key_id: int
+    tokens: int
+    settled: bool = False
+
+    def settle(self, used: int) -> None:
+        """The reservation made `used` (best effort: Redis away leaves the count too high,
+        which refuses, never serves, too much)."""
+        if self.settled:
+            return
+        self.settled = True
+        if used != self.tokens:
+            try:
+                self.settle_script(keys=[self.key], args=[self.key_id, used - self.tokens])
+            except REDIS_FAULTS as exc:
+                log.warning("a request's reserved tokens not settled: %s", exc)
+
+
 class RateLimiter:
     """One web process's view of its callers' rate windows for one model: requests per
     minute count per model (each model's counters live with its batches), tokens per minute
@@ -124,6 +153,27 @@ class RateLimiter:
         # (key id, window) whose counter this process has set to expire
         self._expiring: set[tuple[int, int]] = set()
         self.charges = charges or TokenCharges()
+        self._reserve = scripts.register(client, "reserve_tokens")
+        self._settle = scripts.register(client, "settle_tokens")
+
+    def reserve(
+        self, caller: Caller, tokens: int, now_s: float | None = None
+    ) -> Reservation | Limited | None:
+        """`tokens` reserved in the caller's window (None: no tokens limit), or the refusal
+        of a key whose tokens already reached its limit. Raises redis errors."""
+        if not caller.tpm:
+            return None
+        now_s = time.time() if now_s is None else now_s
+        window = window_of(now_s)
+        key = self.keys.tokens(window)
+        held = max(0, tokens)
+        args = [caller.key_id, held, caller.tpm, COUNTER_TTL_MS]
+        reserved, used = self._reserve(keys=[key], args=args)
+        if self.charges.window == window:  # what the key had used or held before this one
+            self.charges.by_key[caller.key_id] = int(used) - (held if reserved else 0)
+        if not reserved:
+            return Limited("tokens", caller.tpm, max(1, math.ceil(reset_in_s(now_s))))
+        return Reservation(self._settle, key, caller.key_id, held)
 
     def check(self, caller: Caller, now_s: float | None = None) -> Limited | None:
         """A refusal when the caller is over a limit, from what this process knows: no Redis
@@ -225,19 +275,3 @@ class RateLimiter:
     def _tokens_seen(self, key_id: int, window: int) -> int:
         charges = self.charges
         return charges.by_key.get(key_id, 0) if window == charges.window else 0
-
-
-def queue_token_charges(
-    pipe: redis.client.Pipeline,
-    tokens_by_key: Mapping[int, int],
-    now_s: float,
-    keys: AccessKeys = KEYS,
-) -> None:
-    """Queue on `pipe` the charge of a finished batch's completion tokens to its keys."""
-    charged = {key_id: tokens for key_id, tokens in tokens_by_key.items() if tokens > 0}
-    if not charged:
-        return
-    key = keys.tokens(window_of(now_s))
-    for key_id, tokens in charged.items():
-        pipe.hincrby(key, str(key_id), tokens)
-    pipe.pexpire(key, COUNTER_TTL_MS)

@@ -73,9 +73,11 @@ SAMPLED_PROMPT_TOKENS = "sampled:pt"
 SAMPLED_COMPLETION_TOKENS = "sampled:ct"
 
 
-# Offline jobs' items sampled (batching.backfill), and calls of nothing else.
+# Offline jobs' items sampled (batching.backfill), and calls of nothing else with their time
+# (busy time, but no call of the queue's: the mean call leaves it out).
 BACKFILL_ITEMS = "backfill:items"
 BACKFILL_CALLS = "backfill:calls"
+BACKFILL_BUSY_US = "backfill:busy_us"
 
 # Items the response cache answered, and items it was asked for but did not hold.
 CACHE_HITS = "cache:hit"
@@ -312,7 +314,12 @@ def queue_time_counts(queue_times_ms: Iterable[float]) -> Counter[str]:
 def busy_counts(worker: str, sampler_ms: float) -> dict[str, int]:
     """A call's busy time alone (a call of backfill items only: no batch of the queue's)."""
     busy_us = round(sampler_ms * 1000)
-    return {"busy_us": busy_us, f"w:{worker}:busy_us": busy_us, BACKFILL_CALLS: 1}
+    return {
+        "busy_us": busy_us,
+        f"w:{worker}:busy_us": busy_us,
+        BACKFILL_CALLS: 1,
+        BACKFILL_BUSY_US: busy_us,
+    }
 
 
 def alive_counts(worker: str, seconds: int = 1) -> dict[str, int]:
@@ -395,8 +402,15 @@ class Summary:
         return 100 * self.counts["items"] / capacity if capacity else None
 
     def mean_sampler_ms(self) -> float | None:
+        """The mean call of the queue's batches: the calls of backfill items only are not."""
         calls = self.counts["calls"]
-        return self.counts["busy_us"] / 1000 / calls if calls else None
+        interactive_us = self.counts["busy_us"] - self.counts[BACKFILL_BUSY_US]
+        return interactive_us / 1000 / calls if calls else None
+
+    def backfill_busy_percent(self) -> float | None:
+        """The share of the workers' time in calls of backfill items only."""
+        alive = self.counts["alive"]
+        return min(100.0, 100 * self.counts[BACKFILL_BUSY_US] / 1e6 / alive) if alive else None
 
     def mean_queue_wait_ms(self) -> float | None:
         waits = self.counts["waits"]

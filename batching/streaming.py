@@ -19,12 +19,21 @@ delta is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 from batching.generation import cut_at_stop
 
-# One row's new text: (its index in the call, the text to append).
-StreamSink = Callable[[int, str], None]
+
+class StreamSink(Protocol):
+    """Where a streaming row's new text goes: its index in the call, the text to append, and
+    where the sampler counts them, its tokens so far (prompt, completion): what a stream its
+    client cuts is charged (sampling.streams). It returns True once the row's client has
+    left: the sampler then stops decoding that row."""
+
+    def __call__(
+        self, row: int, text: str, tokens: tuple[int, int] | None = None
+    ) -> bool | None: ...
+
 
 INCOMPLETE_CHARACTER = "\ufffd"
 

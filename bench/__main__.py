@@ -32,6 +32,8 @@ BENCHMARKS = (
     "routing",
     "streaming",
     "backfill",
+    "uploads",
+    "profile_fit",
 )
 # Benchmarks whose measurements run on gevent: patched before anything else is imported.
 GEVENT = {"frontend"}

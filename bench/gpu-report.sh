@@ -10,6 +10,8 @@
 #   4. the same benchmark on the larger SmolLM2 architectures with random weights (360M, 1.7B).
 #   5. streams under load (bench streaming --sampler hf): the packaged SmolLM2 in a worker on
 #      the GPU behind the whole stack, time to first token and between tokens at a few rates.
+#   6. an offline job beside requests (bench backfill --sampler hf): the same worker, requests
+#      at a few loads with and without a job of chat lines.
 # Everything lands in $GPU_REPORT_DIR (default gpu-report/): machine.txt, the pytest logs and
 # JUnit files, sampler*.md and streaming.md (the benchmarks' tables). Exits non-zero if a
 # step failed.
@@ -28,6 +30,8 @@ mkdir -p "$DIR"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1 PYTHONUNBUFFERED=1
 ARCHS="smollm2-360m smollm2-1.7b"
 STREAM_RATES=${STREAM_RATES:-10,50,200,500}  # streams a second
+BACKFILL_LOADS=${BACKFILL_LOADS:-10,50,90}  # percents of the h100-graphs-135m profile's limit
+BACKFILL_ROUNDS=${BACKFILL_ROUNDS:-2}
 TESTS_GPU="tests/gpu --confcutdir tests/gpu"
 TESTS_MODEL="tests/integration/test_hf_sampler.py tests/integration/test_static_decode.py tests/integration/test_model_service.py"
 
@@ -80,7 +84,9 @@ PY
     "$PYTHON" -m bench streaming --sampler hf --rates 1 --seconds 2 --max-tokens 2 \
         > "$DIR/dry-streaming.md" 2>&1 || status=1
     wait $arch || status=1
-    for name in sampler sampler-arch streaming; do echo "== bench $name:"; tail -n 4 "$DIR/dry-$name.md"; done
+    "$PYTHON" -m bench backfill --sampler hf --rounds 1 --seconds 2 --loads 1 --job-lines 20 \
+        > "$DIR/dry-backfill.md" 2>&1 || status=1
+    for name in sampler sampler-arch streaming backfill; do echo "== bench $name:"; tail -n 4 "$DIR/dry-$name.md"; done
     echo "== dry run: $([ $status = 0 ] && echo ready || echo 'NOT ready')"
     exit $status
 fi
@@ -126,4 +132,7 @@ done
 "$PYTHON" -m bench streaming --sampler hf --max-batch 100 --rates "$STREAM_RATES" \
     > "$DIR/streaming.md" 2>&1 || status=1
 cat "$DIR/streaming.md"
+"$PYTHON" -m bench backfill --sampler hf --rounds "$BACKFILL_ROUNDS" --seconds 8 \
+    --loads "$BACKFILL_LOADS" --job-lines 20000 > "$DIR/backfill.md" 2>&1 || status=1
+cat "$DIR/backfill.md"
 exit $status

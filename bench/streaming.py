@@ -1,6 +1,7 @@
 """Streams under load: time to first token, between tokens, goodput at 50, 90, 150% of the limit.
 
     .venv/bin/python -m bench streaming [--seconds 10] [--max-batch 10] [--call-ms 100]
+        [--cost contract|h100-graphs-135m|FILE]
     .venv/bin/python -m bench streaming --sampler hf --rates 10,50,200   # the real model
 
 `--sampler hf`: the packaged SmolLM2 in one worker on this machine's first GPU (its CPU
@@ -10,7 +11,9 @@ limit is not known beforehand, its text not either (a stream is good when it end
 
 One simulated GPU (calls of `--call-ms` whatever their size, up to `--max-batch` prompts, 16
 words a completion) behind two gevent web processes, on an embedded Redis: its limit is
-max-batch / call streams a second. At each load, `--seconds` of open-loop constant arrivals of
+max-batch / call streams a second. `--cost` prices its calls on a cost profile instead
+(batching.call_cost): a call of 16-word streams lasts what its rows cost, and the limit is a
+full call's. At each load, `--seconds` of open-loop constant arrivals of
 streaming /v1/completions (one prompt, `stream: true`), each on a connection of its own, read
 as they come by the harness's streaming client. Per load:
 
@@ -33,6 +36,7 @@ from typing import Any
 
 import redis
 
+from batching.call_cost import CONTRACT, Shape, load_profile
 from bench.harness.machine import describe_machine
 from bench.harness.procstat import redis_commands
 from bench.harness.report import markdown_table
@@ -54,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampler", choices=("simulated", "hf"), default="simulated")
     parser.add_argument("--rates", help="hf: streams a second, comma-separated (10,50,200)")
     parser.add_argument("--max-tokens", type=int, default=32, help="a completion's, default 32")
+    parser.add_argument("--cost", default=CONTRACT, help="simulated: a cost profile (contract)")
 
 
 @dataclass(frozen=True)
@@ -71,9 +76,10 @@ class _Setup:
 
 def _setup(args: argparse.Namespace, redis_url: str, queue: str) -> _Setup:
     if args.sampler == "simulated":
-        limit = args.max_batch / (args.call_ms / 1000)
+        limit = args.max_batch / (_call_ms(args) / 1000)
         env = simulated_env(redis_url, queue, call_ms=args.call_ms, max_batch=args.max_batch,
-                            SIMULATED_EXTRA_WORDS=str(EXTRA_WORDS))  # fmt: skip
+                            SIMULATED_EXTRA_WORDS=str(EXTRA_WORDS),
+                            SIMULATED_COST=args.cost)  # fmt: skip
         loads = [(f"{share:.0%} ({limit * share:g}/s)", limit * share) for share in LOADS]
         return _Setup(env, [None], loads, lambda p: expected_completion(p, EXTRA_WORDS), 5, True)
     if not args.rates:
@@ -87,6 +93,12 @@ def _setup(args: argparse.Namespace, redis_url: str, queue: str) -> _Setup:
     loads = [(f"{float(rate):g}/s", float(rate)) for rate in args.rates.split(",")]
     gpus: list[int | None] = [0] if local_gpu_count() else [None]
     return _Setup(env, gpus, loads, None, deadline_ms / 1000 + 5, False)
+
+
+def _call_ms(args: argparse.Namespace) -> float:
+    """A full call of 16-word completions: `--call-ms`, or its profile's time."""
+    profile = load_profile(args.cost, args.call_ms)
+    return profile.call_ms(Shape(args.max_batch, 3, min(args.max_tokens, 16)))
 
 
 def _request(port: int, model: str, prompt: str, streaming: bool, max_tokens: int) -> bytes:
@@ -172,7 +184,12 @@ def main(args: argparse.Namespace) -> None:
         stack.stop()
         server.stop()
     if setup.whole:
-        print(f"\nStreams of 16 words, one simulated GPU: {args.call_ms} ms calls of up to "
+        calls = (
+            f"{args.call_ms} ms calls"
+            if args.cost == CONTRACT
+            else (f"calls on the {args.cost} curve ({_call_ms(args):.1f} ms full)")
+        )
+        print(f"\nStreams of 16 words, one simulated GPU: {calls} of up to "
               f"{args.max_batch}, {args.seconds:g} s per load\n")  # fmt: skip
     else:
         where = "a GPU" if setup.gpus != [None] else "the CPU"

@@ -14,7 +14,7 @@ import dj_database_url
 import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
-from batching import ratelimit
+from batching import call_cost, ratelimit
 from batching.deltas import STREAM_INTERVAL_MS
 from batching.keys import MAX_SHARDS
 from batching.policy import BOUNDS, Policy
@@ -236,6 +236,26 @@ SIMULATED_BATCH_MS = env_int("SIMULATED_BATCH_MS", 100, minimum=0, maximum=600_0
 # Words the simulated sampler adds to each completion (workers.samplers.simulated): longer
 # completions, streamed word by word over the call.
 SIMULATED_EXTRA_WORDS = env_int("SIMULATED_EXTRA_WORDS", 0, minimum=0, maximum=64)
+# What a simulated call costs by its shape (batching.call_cost): `contract` (SIMULATED_BATCH_MS
+# whatever its shape), a packaged profile's name, or a profile file's path.
+SIMULATED_COST = env_str("SIMULATED_COST", call_cost.CONTRACT).strip()
+# What a worker predicts its calls with (admission's turn aside): the deadline cut, when its
+# GPU frees, and how far a top-up with offline jobs' lines may lengthen a call. Empty: its
+# sampler's own (the simulated one's SIMULATED_COST, SmolLM2 on an H100 for `hf`, else the
+# contract's running mean).
+SAMPLING_COST_PROFILE = env_str("SAMPLING_COST_PROFILE", "").strip()
+for _name, _profile in (("SIMULATED_COST", SIMULATED_COST), ("SAMPLING_COST_PROFILE",
+                                                               SAMPLING_COST_PROFILE)):  # fmt: skip
+    try:
+        if _profile:
+            call_cost.load_profile(_profile, SIMULATED_BATCH_MS)
+    except ValueError as _exc:
+        raise ImproperlyConfigured(f"{_name}: {_exc}") from _exc
+# How much longer, at most, a top-up with offline jobs' lines may make a call of requests, on
+# the worker's cost profile (0: only what costs nothing more, such as a graph bucket's padding).
+SAMPLING_BACKFILL_EXTRA_COST_PCT = env_float(
+    "SAMPLING_BACKFILL_EXTRA_COST_PCT", 5.0, minimum=0.0, maximum=1000.0
+)
 # A sampler call running longer than this is taken for hung: its batch's requests are answered
 # with an error at once and the worker exits for its supervisor to start a fresh one
 # (workers/pipeline.py). 0: automatic, 10 x the worker's call estimate and at least 2 s.
@@ -286,6 +306,11 @@ SAMPLING_BATCH_FILE_MAX_BYTES = env_int(
     "SAMPLING_BATCH_FILE_MAX_BYTES", 200 * 2**20, minimum=1, maximum=2**31
 )
 SAMPLING_BATCH_MAX_LINES = env_int("SAMPLING_BATCH_MAX_LINES", 50_000, minimum=1, maximum=10**7)
+# The most unanswered lines a key's jobs in progress may hold together: a job that would take
+# its key past it fails validation (OpenAI's `token_limit_exceeded`, counted in lines here).
+SAMPLING_BATCH_MAX_ENQUEUED_LINES = env_int(
+    "SAMPLING_BATCH_MAX_ENQUEUED_LINES", 1_000_000, minimum=1, maximum=10**9
+)
 # A longer line is that line's error, never read whole: 8 MiB holds the largest prompt a policy
 # allows (1 MiB) with room for JSON's escapes.
 SAMPLING_BATCH_MAX_LINE_BYTES = env_int(
@@ -296,8 +321,17 @@ SAMPLING_BATCH_MAX_LINE_BYTES = env_int(
 SAMPLING_BACKFILL_TAKEN_TIMEOUT_S = env_float(
     "SAMPLING_BACKFILL_TAKEN_TIMEOUT_S", 60.0, minimum=0.1, maximum=86_400.0
 )
-# Uploads above this size go to a temporary file, not memory (Django's default: 2.5 MB).
+# The feeder's lock (offline.feeder): renewed on each run, it passes to a standby feeder this
+# long after its holder stopped renewing it (a crash, a stall); a holder that stalled past it
+# is fenced off the answers its successor reads.
+SAMPLING_FEEDER_LOCK_TTL_S = env_float(
+    "SAMPLING_FEEDER_LOCK_TTL_S", 60.0, minimum=1.0, maximum=3600.0
+)
+# Uploads above this size go to a temporary file, not memory (Django's default: 2.5 MB); a
+# file of /v1/files to SAMPLING_UPLOAD_TEMP_DIR, beside the files they become (offline.uploads):
+# stored by a rename, not a copy, and never in a small /tmp (a Kubernetes pod's: 64 Mi).
 FILE_UPLOAD_MAX_MEMORY_SIZE = 2_621_440
+SAMPLING_UPLOAD_TEMP_DIR = env_str("SAMPLING_UPLOAD_TEMP_DIR", str(Path(MEDIA_ROOT) / ".uploading"))
 # The settings above are each queue's policy until an operator saves one in the admin
 # (operations.models.SamplingPolicy), which reaches every process within a second.
 # The batch fill the stats page's GPU-count recommendation plans for (the rest is headroom).

@@ -25,6 +25,7 @@ from batching.embeddings import decode
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
+from batching.problems import Failure
 from sampling import schemas
 from sampling.completions import completion_body
 from sampling.responses import Invalid
@@ -217,6 +218,15 @@ def refused(invalid: Invalid) -> tuple[int, dict[str, Any]]:
     error = {"message": invalid.message, "type": error_type, "param": invalid.param,
              "code": invalid.code}  # fmt: skip
     return invalid.status, {"error": error}
+
+
+def failed(failure: Failure) -> tuple[int, dict[str, Any]]:
+    """A line's status and body for a request refused as `failure` (its key revoked, or over
+    its budget), as the interactive API words it."""
+    problem = failure.problem
+    error = {"message": failure.message, "type": problem.openai_type, "param": None,
+             "code": problem.openai_code}  # fmt: skip
+    return problem.status, {"error": error}
 
 
 def answered(endpoint: str, model: str, answer: Answer) -> tuple[int, dict[str, Any]]:

@@ -110,6 +110,22 @@ class Job(models.Model):
     # the model's batch price as they are written: offline.feeder).
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
+    # Its model's batch price per token (billionths) when it was validated: what every line
+    # pays, whatever the catalog says later. None: a job from before prices were kept (it
+    # pays the catalog's price of the moment).
+    prompt_price_nanos = models.PositiveBigIntegerField(null=True, blank=True, editable=False)
+    completion_price_nanos = models.PositiveBigIntegerField(null=True, blank=True, editable=False)
+    spend_nanos = models.PositiveBigIntegerField("spend (billionths)", default=0)
+    # Usage written with its lines and not yet charged to its key's statistics; the charge
+    # being sent (sequence charges_sent + 1, its content fixed); how many charges were sent
+    # (offline.charges: each sent once, whatever kills or stalls a feeder).
+    uncharged_prompt_tokens = models.PositiveBigIntegerField(default=0, editable=False)
+    uncharged_completion_tokens = models.PositiveBigIntegerField(default=0, editable=False)
+    uncharged_spend_nanos = models.PositiveBigIntegerField(default=0, editable=False)
+    charging_prompt_tokens = models.PositiveBigIntegerField(default=0, editable=False)
+    charging_completion_tokens = models.PositiveBigIntegerField(default=0, editable=False)
+    charging_spend_nanos = models.PositiveBigIntegerField(default=0, editable=False)
+    charges_sent = models.PositiveIntegerField(default=0, editable=False)
     created = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField()
     in_progress_at = models.DateTimeField(null=True, blank=True)

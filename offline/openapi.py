@@ -38,6 +38,42 @@ def _operation(
             "responses": {"200": ok(answer), **errors(ErrorResponse, 401, *statuses)}}  # fmt: skip
 
 
+def _ref(path: str, method: str) -> str:
+    return "#/paths/" + path.replace("~", "~0").replace("/", "~1") + "/" + method
+
+
+def _linked(operation: dict[str, Any], links: dict[str, Any]) -> dict[str, Any]:
+    """`operation` whose 200 names what a client may call next with its answer's id (OpenAPI
+    links: a stateful test follows them)."""
+    operation["responses"]["200"] = {**operation["responses"]["200"], "links": links}
+    return operation
+
+
+def _file_links() -> dict[str, Any]:
+    by_id = {"file_id": "$response.body#/id"}
+    job = {"input_file_id": "$response.body#/id", "endpoint": "/v1/chat/completions",
+           "completion_window": "24h"}  # fmt: skip
+    return {
+        "GetFile": {"operationRef": _ref("/v1/files/{file_id}", "get"), "parameters": by_id},
+        "GetFileContent": {"operationRef": _ref("/v1/files/{file_id}/content", "get"),
+                           "parameters": by_id},
+        "DeleteFile": {"operationRef": _ref("/v1/files/{file_id}", "delete"),
+                       "parameters": by_id},
+        "CreateBatch": {"operationRef": _ref("/v1/batches", "post"), "requestBody": job},
+    }  # fmt: skip
+
+
+def _batch_links() -> dict[str, Any]:
+    by_id = {"batch_id": "$response.body#/id"}
+    return {
+        "GetBatch": {"operationRef": _ref("/v1/batches/{batch_id}", "get"), "parameters": by_id},
+        "CancelBatch": {"operationRef": _ref("/v1/batches/{batch_id}/cancel", "post"),
+                        "parameters": by_id},
+        "GetInputFile": {"operationRef": _ref("/v1/files/{file_id}", "get"),
+                         "parameters": {"file_id": "$response.body#/input_file_id"}},
+    }  # fmt: skip
+
+
 def paths() -> dict[str, Any]:
     upload = {
         "required": True,
@@ -54,8 +90,8 @@ def paths() -> dict[str, Any]:
         "/v1/files": {
             "get": _operation("The key's files", schemas.FileList, 400,
                               parameters=_list_query(purpose)),
-            "post": _operation("Upload a JSONL file of requests", schemas.FileObject, 400, 413,
-                               requestBody=upload),
+            "post": _linked(_operation("Upload a JSONL file of requests", schemas.FileObject,
+                                       400, 413, requestBody=upload), _file_links()),
         },
         "/v1/files/{file_id}": {
             "get": _operation("One file", schemas.FileObject, 404, parameters=file_id),
@@ -70,9 +106,11 @@ def paths() -> dict[str, Any]:
         },
         "/v1/batches": {
             "get": _operation("The key's offline jobs, newest first", schemas.BatchList, 400,
-                              parameters=_list_query(after)),
-            "post": _operation("Create an offline job of a file", schemas.Batch, 400, 404,
-                               requestBody=request_body(schemas.BatchCreateRequest)),
+                              404, parameters=_list_query(after)),
+            "post": _linked(_operation("Create an offline job of a file", schemas.Batch, 400,
+                                       404, 429,
+                                       requestBody=request_body(schemas.BatchCreateRequest)),
+                            _batch_links()),
         },
         "/v1/batches/{batch_id}": {
             "get": _operation("One offline job", schemas.Batch, 404, parameters=batch_id),

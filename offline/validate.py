@@ -17,9 +17,12 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, transaction
+from django.db.models import F, Sum
 from django.utils import timezone
 from redis.exceptions import RedisError
 
+from batching.catalog import Price
+from offline.failures import count_failure
 from offline.lines import (
     BadLine,
     Line,
@@ -37,6 +40,8 @@ from sampling.runtime import WebProcess
 log = logging.getLogger(__name__)
 
 MAX_ERRORS = 100
+# The statuses whose jobs' unanswered lines count against their key's enqueued limit.
+ENQUEUED = (Status.IN_PROGRESS, Status.CANCELLING, Status.FINALIZING)
 CREATE_CHUNK = 500
 
 
@@ -49,6 +54,7 @@ def checked(process: WebProcess, job: Job) -> None:
         raise
     except Exception as exc:  # the file cannot be read, or a line breaks what reads it
         log.exception("job %s: its input file cannot be validated", job.id)
+        count_failure("validated")
         job.errors = [_error(f"the input file cannot be validated: {type(exc).__name__}")]
         job.save(update_fields=["errors", *job.mark(Status.FAILED, timezone.now())])
 
@@ -63,6 +69,8 @@ def run(process: WebProcess, job: Job) -> None:
             model, problem = _model(process, lines, job.key_id, kind_of(job.endpoint))
             if problem:
                 errors.append(_error(problem))
+            elif over := _over_enqueued(job, model, len(lines)):  # unreadable lines never wait
+                errors.append(over)
     now = timezone.now()
     if errors:
         job.errors = errors[:MAX_ERRORS]
@@ -78,10 +86,13 @@ def run(process: WebProcess, job: Job) -> None:
             for line in lines[start : start + CREATE_CHUNK]
         )
     _answer_unreadable(job, unreadable)
+    entry = process.catalog.current.models.get(model)  # priced once, for every line
+    price = entry.batch_price if entry is not None else Price()
     with transaction.atomic():
         Job.objects.filter(id=job.id).update(
-            model=model, total=len(lines) + len(unreadable), failed=len(unreadable)
-        )
+            model=model, total=len(lines) + len(unreadable), failed=len(unreadable),
+            prompt_price_nanos=price.prompt_nanos, completion_price_nanos=price.completion_nanos,
+        )  # fmt: skip
         # Only a job still validating moves on: a cancel meanwhile stands.
         Job.objects.filter(id=job.id, status=Status.VALIDATING).update(
             status=Status.IN_PROGRESS, in_progress_at=now
@@ -147,6 +158,22 @@ def _answer_unreadable(job: Job, unreadable: dict[int, tuple[str, str]]) -> None
 def _error(message: str, index: int | None = None) -> dict[str, Any]:
     return {"code": "invalid_line" if index is not None else "invalid_file", "message": message,
             "param": None, "line": index + 1 if index is not None else None}  # fmt: skip
+
+
+def _over_enqueued(job: Job, model: str, lines: int) -> dict[str, Any] | None:
+    """OpenAI's error when the key's jobs in progress would hold more unanswered lines than
+    SAMPLING_BATCH_MAX_ENQUEUED_LINES with this job's; None when they fit."""
+    limit = settings.SAMPLING_BATCH_MAX_ENQUEUED_LINES
+    others = Job.objects.filter(key_id=job.key_id, status__in=ENQUEUED).exclude(id=job.id)
+    left = others.aggregate(left=Sum(F("total") - F("completed") - F("failed")))["left"] or 0
+    if left + lines <= limit:
+        return None
+    message = (
+        f"Enqueued line limit reached for {model} for this API key. Limit: {limit:,} enqueued "
+        f"lines; {left:,} are enqueued, and this batch has {lines:,}. Please try again once "
+        "some in_progress batches have been completed."
+    )
+    return {"code": "token_limit_exceeded", "message": message, "param": None, "line": None}
 
 
 def _model(process: WebProcess, lines: list[Line], key_id: int, kind: str) -> tuple[str, str]:

@@ -16,14 +16,20 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
+from django.db import transaction
+from django.db.models import ProtectedError
 from django.http import FileResponse, HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
 
 from batching.access import Caller
+from batching.problems import Failure, Problem
 from offline.lines import ENDPOINTS, count_lines, storable
-from offline.models import ACTIVE, Job, Purpose, Status, StoredFile
+from offline.models import Job, Purpose, Status, StoredFile
+from offline.uploads import receive_beside_the_files
+from sampling.blocking import off_the_loop
 from sampling.responses import Invalid, json_response
+from sampling.runtime import web_process
 from sampling.wrappers import openai_endpoint
 
 # Every endpoint here: its objects belong to a key.
@@ -80,6 +86,7 @@ def _upload(request: HttpRequest, caller: Caller) -> HttpResponse:
     if declared.isdigit() and int(declared) > limit + 64 * 1024:  # room for the form's parts
         raise Invalid(f"the file is over the {limit}-byte limit", "file", status=413,
                       code="file_too_large")  # fmt: skip
+    receive_beside_the_files(request)  # before the parse that writes it
     purpose = request.POST.get("purpose", "")
     if purpose != Purpose.BATCH:
         raise Invalid(f"purpose must be {Purpose.BATCH.value!r}, got {purpose!r:.100}", "purpose")
@@ -89,11 +96,15 @@ def _upload(request: HttpRequest, caller: Caller) -> HttpResponse:
     if upload.size is None or upload.size > limit:
         raise Invalid(f"the file is over the {limit}-byte limit", "file", status=413,
                       code="file_too_large")  # fmt: skip
-    lines = count_lines(upload.chunks())  # as validation reads them, in constant memory
-    upload.seek(0)
-    stored = StoredFile(key_id=caller.key_id, purpose=purpose, size=upload.size, lines=lines,
+    stored = StoredFile(key_id=caller.key_id, purpose=purpose, size=upload.size,
                         filename=(upload.name or "upload.jsonl")[:255])  # fmt: skip
-    stored.content.save(f"{stored.id}.jsonl", upload, save=False)
+
+    def count_and_store() -> None:  # in constant memory, off the interactive requests' loop
+        stored.lines = count_lines(upload.chunks())  # as validation reads them
+        upload.seek(0)
+        stored.content.save(f"{stored.id}.jsonl", upload, save=False)
+
+    off_the_loop(count_and_store)
     stored.save()
     return json_response(200, stored.as_openai())
 
@@ -117,13 +128,28 @@ def _own_file(caller: Caller, file_id: str, param: str | None = None) -> StoredF
 def file(request: HttpRequest, caller: Caller, file_id: str) -> HttpResponse:
     found = _own_file(caller, file_id)
     if request.method == "DELETE":
-        if Job.objects.filter(input_file=found, status__in=ACTIVE).exists():
-            raise Invalid(f"file {file_id!r} is the input of a job still running", "file_id",
-                          status=409, code="file_in_use")  # fmt: skip
-        found.content.delete(save=False)
-        found.delete()
+        _delete(found)
         return json_response(200, {"id": file_id, "object": "file", "deleted": True})
     return json_response(200, found.as_openai())
+
+
+def _delete(found: StoredFile) -> None:
+    """The file's row, then (once that is committed) its content; 409 while a job names it
+    as its input, running or ended (a job created meanwhile too: its row holds the file's)."""
+    in_use = Invalid(f"file {found.id!r} is the input of a job", "file_id", status=409,
+                     code="file_in_use")  # fmt: skip
+    with transaction.atomic():
+        locked = StoredFile.objects.select_for_update().filter(pk=found.pk).first()
+        if locked is None:
+            raise Invalid(f"no file {found.id!r}", "file_id", status=404, code="not_found")
+        if Job.objects.filter(input_file=locked).exists():
+            raise in_use
+        try:
+            locked.delete()
+        except ProtectedError:
+            raise in_use from None
+        content = locked.content
+        transaction.on_commit(lambda: content.delete(save=False))
 
 
 @keyed("GET")
@@ -136,7 +162,7 @@ def file_content(request: HttpRequest, caller: Caller, file_id: str) -> HttpResp
 
 # --- batches ------------------------------------------------------------------------------
 @keyed("GET", "POST")
-def batches(request: HttpRequest, caller: Caller) -> HttpResponse:
+def batches(request: HttpRequest, caller: Caller) -> HttpResponse | Failure:
     if request.method == "GET":
         limit = _limit(request, 20)
         found = Job.objects.filter(key_id=caller.key_id).select_related("input_file")
@@ -147,7 +173,10 @@ def batches(request: HttpRequest, caller: Caller) -> HttpResponse:
     return _create(request, caller)
 
 
-def _create(request: HttpRequest, caller: Caller) -> HttpResponse:
+def _create(request: HttpRequest, caller: Caller) -> HttpResponse | Failure:
+    spent = web_process().budgets.refusal(caller)
+    if spent is not None:  # as its requests are: a job could only run past the budget
+        return Failure(Problem.OVER_BUDGET, spent)
     try:
         body = json.loads(request.body or b"{}")
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
@@ -174,10 +203,14 @@ def _create(request: HttpRequest, caller: Caller) -> HttpResponse:
     input_file = _own_file(caller, input_file_id, "input_file_id")
     if input_file.purpose != Purpose.BATCH:
         raise Invalid(f"file {input_file.id!r} is not of purpose 'batch'", "input_file_id")
-    job = Job.objects.create(
-        key_id=caller.key_id, endpoint=endpoint, input_file=input_file, metadata=metadata,
-        completion_window=window, expires_at=timezone.now() + timedelta(hours=24),
-    )  # fmt: skip
+    with transaction.atomic():  # the file locked: a delete meanwhile waits, or came first
+        if not StoredFile.objects.select_for_update().filter(pk=input_file.pk).exists():
+            raise Invalid(f"no file {input_file_id!r:.100}", "input_file_id", status=404,
+                          code="not_found")  # fmt: skip
+        job = Job.objects.create(
+            key_id=caller.key_id, endpoint=endpoint, input_file=input_file, metadata=metadata,
+            completion_window=window, expires_at=timezone.now() + timedelta(hours=24),
+        )  # fmt: skip
     return json_response(200, job.as_openai())
 
 

@@ -143,6 +143,7 @@ class Dashboard:
             ("queue wait (mean)", number(recent.mean_queue_wait_ms(), ",.1f", " ms")),
             ("sampling call (mean)", number(recent.mean_sampler_ms(), ",.1f", " ms")),
             ("GPU busy", number(recent.busy_percent(), ".0f", "%")),
+            ("of which offline jobs alone", number(recent.backfill_busy_percent(), ".0f", "%")),
             ("live workers (GPUs)", str(self.live_workers)),
         ]
 

@@ -12,12 +12,19 @@ at a time under a Redis lock; idempotent whatever runs it again or dies half-way
   added to its minute, never dropped; a minute written twice holds the same totals.
 - When the marker is missing (Redis lost its data, or no housekeeping ran for two hours), the
   rows already written for the minutes about to be taken are added to their buckets first, in
-  the same step that sets the marker: the buckets then hold the minute's whole totals again,
-  and replacing the rows from them loses nothing already persisted.
+  the same step that sets the marker: the buckets then hold the minute's whole totals again
+  (spend included), and replacing the rows from them loses nothing already persisted.
+- When the stats epoch (QueueKeys.stats_epoch, never expiring, written whenever the marker is
+  there) is missing with the marker, Redis lost its data: the month's spend totals that
+  budgets read (batching.budgets) get each key's spend of the month's persisted rows added
+  back, in one step with the epoch, before any minute after the loss is written. (A Redis
+  whose marker expired, its housekeeping stopped for two hours, while it was upgraded to a
+  version that keeps the epoch, would count its month twice: the upgrade notes say so.)
 """
 
 from __future__ import annotations
 
+import secrets
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -25,7 +32,9 @@ from typing import Any
 
 import redis
 from django.db import transaction
+from django.db.models import Sum
 
+from batching import flush as flushing
 from batching import scripts, stats
 from batching.keys import QueueKeys
 from operations.models import ApiKey, StatsMinute, UsageMinute
@@ -59,8 +68,11 @@ def persist_minutes(client: redis.Redis, queue: str, now_s: float) -> int:
     last = int(now_s - GRACE_S) // 60 - 1  # the newest minute that has ended
     oldest = last - MAX_BACKLOG_MINUTES
     if client.get(keys.persisted_minute) is None:
+        if client.get(keys.stats_epoch) is None:  # Redis lost its data (or a first start)
+            _rebuild_month_spend(client, queue, now_s)
         _seed_and_advance(client, queue, oldest, last)
     else:
+        client.set(keys.stats_epoch, secrets.token_hex(6), nx=True)  # whole, as it is
         _advance(client, keys, last, oldest, [])
     dirty = {int(m): v.decode() for m, v in client.hgetall(keys.dirty_minutes).items()}
     if not dirty:
@@ -92,6 +104,25 @@ def _advance(client: redis.Redis, keys: QueueKeys, last: int, oldest: int, seeds
     )
 
 
+def _rebuild_month_spend(client: redis.Redis, queue: str, now_s: float) -> None:
+    """The month's spend totals of `queue` (Redis's month: its time) given back each key's
+    spend in the month's persisted rows: Redis lost them, and holds only what was flushed
+    since."""
+    month = flushing.month_of(now_s)
+    start = datetime.strptime(month, "%Y-%m").replace(tzinfo=UTC)
+    rows = UsageMinute.objects.filter(queue=queue, minute__gte=start).exclude(key=None)
+    spent = rows.values("key_id").annotate(spend=Sum("spend_nanos"))
+    keys = QueueKeys(queue)
+    total_key = keys.spend_of_month(month)
+    with client.pipeline(transaction=True) as pipe:  # with the epoch: once, or again whole
+        for row in spent:
+            if row["spend"]:
+                pipe.hincrby(total_key, str(row["key_id"]), row["spend"])
+        pipe.expire(total_key, flushing.MONTH_TTL_S)
+        pipe.set(keys.stats_epoch, secrets.token_hex(6))
+        pipe.execute()
+
+
 def _seed_and_advance(client: redis.Redis, queue: str, oldest: int, last: int) -> None:
     """Set the missing marker, with the rows already written for the minutes it takes added
     to their buckets in the same step (skipped by the script if another process set it)."""
@@ -109,6 +140,7 @@ def _seed_and_advance(client: redis.Redis, queue: str, oldest: int, last: int) -
         counts[stats.usage_field(key_id, stats.PROMPT_TOKENS)] += used.prompt_tokens
         counts[stats.usage_field(key_id, stats.COMPLETION_TOKENS)] += used.completion_tokens
         counts[stats.usage_field(key_id, stats.CACHED_TOKENS)] += used.cached_tokens
+        counts[stats.usage_field(key_id, stats.SPEND)] += used.spend_nanos
     flat = [
         str(part)
         for minute, counts in seeds.items()

@@ -9,8 +9,11 @@ arrivals and GPUs that each run one call at a time:
   - deadline drops: an item whose deadline is before seal time + one call is dropped (504)
     without being sampled;
   - admission: with batches queued behind every GPU, a request is refused at once (503) when
-    the worst-case finish of its batch is past its deadline (batching.admission, the same
-    formula the per-batch scripts run).
+    the predicted finish of its batch is past its deadline (batching.admission, the same
+    formula the per-batch scripts run, with the running calls' ends as their seals saw them).
+On a cost curve (`cost`, batching.call_cost, with the requests' `shapes`, planning.shapes), a
+call lasts what its rows' shape costs, the deadline cut predicts the sealed batch's own call,
+and admission's turn is the running mean of the calls, as a worker's is.
 Times are in ms. The fixed costs around the GPU are parameters: `path_ms` (a call's end to the
 client's answer, added to each answer), `dispatch_ms` (a batch's first request to its seal
 by an idle worker) and `gap_ms` (a worker's time between calls); their defaults are the
@@ -23,11 +26,17 @@ import heapq
 import math
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from batching import admission
+from batching.call_cost import CostProfile
 from batching.policy import MAX_BATCH_SIZE
 from planning.costs import MEASURED
+from planning.shapes import RequestShapes
+
+# Weight of the newest call in the running mean of a turn (workers.call_costs.ESTIMATE_WEIGHT).
+TURN_WEIGHT = 0.3
 
 
 @dataclass(frozen=True)
@@ -42,12 +51,27 @@ class Scenario:
     dispatch_ms: float = MEASURED.dispatch_ms
     gap_ms: float = MEASURED.gap_ms
     seed: int = 1
+    cost: CostProfile | None = None  # None: every call `batch_ms`
+    shapes: RequestShapes | None = None  # the requests' shapes, on a cost curve
+
+    @property
+    def on_curve(self) -> bool:
+        return self.cost is not None and not self.cost.is_contract and self.shapes is not None
+
+    @property
+    def full_call_ms(self) -> float:
+        """A full batch's call: `batch_ms`, or on a curve the mean of full batches' calls."""
+        if not self.on_curve:
+            return self.batch_ms
+        assert self.cost is not None
+        assert self.shapes is not None
+        return self.shapes.mean_call_ms(self.cost, self.max_batch, self.seed)
 
     @property
     def full_batch_gpus(self) -> float:
         """GPUs kept busy all the time by the rate in full batches, a turn being one call and
         the gap before the next: rate x (call + gap) / max batch."""
-        return self.rate_rps * (self.batch_ms + self.gap_ms) / 1000 / self.max_batch
+        return self.rate_rps * (self.full_call_ms + self.gap_ms) / 1000 / self.max_batch
 
     @property
     def lower_bound_gpus(self) -> int:
@@ -71,6 +95,10 @@ class Outcome:
     sampled: int = 0
     expired: int = 0
     busy_ms: float = 0.0
+
+    @property
+    def mean_call_ms(self) -> float:
+        return self.busy_ms / self.calls if self.calls else 0.0
 
     @property
     def ok(self) -> int:
@@ -111,11 +139,12 @@ class Outcome:
 
 
 class _Batch:
-    __slots__ = ("arrivals", "opened_ms")
+    __slots__ = ("arrivals", "opened_ms", "shapes")
 
     def __init__(self, opened_ms: float) -> None:
         self.opened_ms = opened_ms
         self.arrivals: list[float] = []
+        self.shapes: list[tuple[int, int]] = []  # each arrival's, on a cost curve
 
 
 def simulate(scenario: Scenario) -> Outcome:
@@ -126,9 +155,19 @@ def simulate(scenario: Scenario) -> Outcome:
     queued: deque[_Batch] = deque()  # batches whose task waits for a GPU (the open one too)
     open_batch: _Batch | None = None
     deadline, call = s.deadline_ms, s.batch_ms
+    shapes_rng = random.Random(s.seed + 1)  # noqa: S311 - apart: the same arrivals on any cost
+    turn_ms = s.full_call_ms + s.gap_ms  # admission's running mean of a turn
+    call_ends: deque[float] = deque(maxlen=s.gpus)  # the latest calls' ends, as their seals saw
+
+    def call_of(shapes: list[tuple[int, int]]) -> float:
+        if not s.on_curve or not shapes:
+            return s.batch_ms
+        assert s.cost is not None
+        assert s.shapes is not None
+        return s.shapes.call_ms(s.cost, shapes)
 
     def seal_until(now: float) -> None:
-        nonlocal open_batch
+        nonlocal open_batch, call, turn_ms
         while queued:
             head = queued[0]
             sealed_at = max(free_at[0], head.opened_ms + s.dispatch_ms)
@@ -137,18 +176,23 @@ def simulate(scenario: Scenario) -> Outcome:
             queued.popleft()
             if head is open_batch:
                 open_batch = None
-            cutoff = sealed_at + call
-            live = [a for a in head.arrivals if a + deadline >= cutoff]
+            cutoff = sealed_at + call_of(head.shapes)
+            kept = [i for i, a in enumerate(head.arrivals) if a + deadline >= cutoff]
+            live = [head.arrivals[i] for i in kept]
+            if s.on_curve:
+                call = call_of([head.shapes[i] for i in kept])
             expired = len(head.arrivals) - len(live)
             outcome.expired += expired
             outcome.timeouts += expired
             outcome.answers_ms.extend([deadline] * expired)
             busy_until = sealed_at
             if live:
+                call_ends.append(sealed_at + turn_ms)
                 busy_until += call
                 outcome.calls += 1
                 outcome.sampled += len(live)
                 outcome.busy_ms += call
+                turn_ms += TURN_WEIGHT * (call + s.gap_ms - turn_ms)
                 for arrived in live:
                     latency = busy_until - arrived + s.path_ms
                     if latency > deadline:
@@ -167,7 +211,8 @@ def simulate(scenario: Scenario) -> Outcome:
             break
         seal_until(now)
         outcome.requests += 1
-        if refuses(queued, open_batch is not None, s.gpus, call + s.gap_ms, now, deadline):
+        shape = s.shapes.draw(shapes_rng) if s.on_curve and s.shapes is not None else None
+        if refuses(queued, open_batch is not None, s.gpus, turn_ms, now, deadline, call_ends):
             outcome.rejected += 1
             outcome.answers_ms.append(s.path_ms)
             continue
@@ -175,6 +220,8 @@ def simulate(scenario: Scenario) -> Outcome:
             open_batch = _Batch(now)
             queued.append(open_batch)
         open_batch.arrivals.append(now)
+        if shape is not None:
+            open_batch.shapes.append(shape)
         if len(open_batch.arrivals) >= s.max_batch:
             open_batch = None
     seal_until(math.inf)
@@ -188,10 +235,12 @@ def refuses(
     turn_ms: float,
     now: float,
     deadline: float,
+    call_ends: Sequence[float] = (),
 ) -> bool:
     """Admission, as the aggregator decides it: count the batches queued behind the GPUs
     that opened within a deadline (`queued` is oldest first), not counting the open batch the
-    request would join, and apply batching.admission's formula to the full deadline."""
+    request would join, and apply batching.admission's formula to the full deadline, with
+    when the running calls end (`call_ends`, as their seals saw it) when there is a backlog."""
     ahead = len(queued) - (1 if open_batch_queued else 0)
     if ahead < gpus:
         return False  # no backlog (the common case: skip the scan below)
@@ -199,7 +248,8 @@ def refuses(
         if batch.opened_ms >= now - deadline:
             break
         ahead -= 1
-    return admission.refuses(ahead, gpus, turn_ms, deadline)
+    frees = sorted(end - now for end in call_ends)
+    return admission.refuses(ahead, gpus, turn_ms, deadline, frees)
 
 
 @dataclass(frozen=True)

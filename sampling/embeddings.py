@@ -42,10 +42,13 @@ def _embeddings(
         return Handled(RequestOutcome.BAD_REQUEST, openai_invalid(invalid))
     model = found.served
     deadline_ms = policy.deadline_ms
-    answers = submit(model, caller, items, arrival + deadline_ms / 1000, deadline_ms)
+    # A text's UTF-8 bytes bound its tokens: what a key with a tokens limit reserves.
+    reserve = sum(len(text.encode()) for text in texts)
+    answers = submit(model, caller, items, arrival + deadline_ms / 1000, deadline_ms,
+                     reserve=reserve)  # fmt: skip
     if isinstance(answers, Failure):
         return Handled(answers.outcome, answer_failure(openai_failure, answers), model)
-    tokens = charge(model.stats, caller, answers, found.entry.price)
+    tokens = charge(model.stats, caller, answers, found.entry.price, embedding=True)
     as_base64 = parsed.encoding_format == "base64"
     data = [
         {"object": "embedding", "index": index,

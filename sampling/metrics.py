@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -197,6 +197,34 @@ class CapacityCollector:
         return [recommended, live, cost]
 
 
+# The feeder's steps whose failures are counted (offline.feeder, offline.validate).
+JOB_STEPS = ("validated", "moved on", "finalized", "charged")
+
+
+class JobFailuresCollector:
+    """How many times a step of an offline job failed in the feeder (offline.feeder), by
+    step, read from Redis at each scrape."""
+
+    def __init__(self, client: redis.Redis, queues: Sequence[str]) -> None:
+        self.client = client
+        self.queues = queues
+
+    def collect(self) -> list[Metric]:
+        failures = CounterMetricFamily(
+            "sampling_batch_job_failures",
+            "Offline jobs' steps that failed in the feeder, by step (each failure: the step "
+            "is tried again on the next run)",
+            labels=["step"],
+        )
+        by_step = dict.fromkeys(JOB_STEPS, 0)  # each step's series, from 0
+        for queue in self.queues:
+            for step, count in self.client.hgetall(QueueKeys(queue).feeder_failures).items():
+                by_step[step.decode()] = by_step.get(step.decode(), 0) + int(count)
+        for step, count in sorted(by_step.items()):
+            failures.add_metric([step], count)
+        return [failures]
+
+
 def exposition(client: redis.Redis, models: Sequence[tuple[str, Policy]]) -> bytes:
     """This node's web processes (all of them, from the multiprocess files), every worker of
     every model, and each model's GPU recommendation under its policy (the one this node
@@ -212,6 +240,7 @@ def exposition(client: redis.Redis, models: Sequence[tuple[str, Policy]]) -> byt
     for name, collector in (
         ("workers' metrics", WorkerMetricsCollector(client, [queue for queue, _ in models])),
         ("GPU recommendation", CapacityCollector(client, models)),
+        ("offline jobs' failures", JobFailuresCollector(client, [queue for queue, _ in models])),
     ):
         registry = CollectorRegistry(auto_describe=False)
         registry.register(collector)

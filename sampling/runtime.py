@@ -27,7 +27,7 @@ from batching.ratelimit import RateLimiter
 from batching.stats import RequestStats
 from batching.topology import REDIS_FAULTS
 from inference_site.redis_client import redis_client
-from sampling.shedding import Shedder
+from sampling.shedding import ADAPT_WINDOW_S, Shedder
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ class WebProcess:
         )
         # Jitter, not a secret: the processes of a node spread their jobs over the interval.
         first_jobs_s = BACKGROUND_JOB_INTERVAL_S * random.random()  # noqa: S311
+        self.shed_loop = PeriodicLoop("in-flight-limit", self.shedder.adapt, ADAPT_WINDOW_S)
         self.jobs_loop = PeriodicLoop(
             "background-jobs", self._run_jobs, BACKGROUND_JOB_INTERVAL_S, first_wait_s=first_jobs_s
         )
@@ -202,16 +203,19 @@ class WebProcess:
         self.catalog.start()
         self.default.start()
         self.access.after_poll(self._refresh_token_charges)
-        self.access.after_poll(self._refresh_budgets)
+        self.access.after_poll(self.refresh_budgets)
         self.access.start()
         self.flush_loop.start()
         self.jobs_loop.start()
+        self.shed_loop.start()
 
     def _refresh_token_charges(self) -> None:
         if self.access.limits_tokens:
             self.limiter.refresh_tokens()
 
-    def _refresh_budgets(self) -> None:
+    def refresh_budgets(self) -> None:
+        """This month's spend of the budgeted keys and owners read again (Redis errors
+        raised)."""
         access = self.access
         if access.budgeted or access.owners_keys or self.budgets.spent:
             self.budgets.refresh(

@@ -11,14 +11,24 @@ process that cannot start a request's work in time refuses it at once, before an
 - A request that has already waited its deadline less MIN_WORK_MS is refused.
 - A process holds at most WEB_MAX_IN_FLIGHT generating requests (docs/reliability.md: the
   sizing rule); one more is refused.
+- It holds fewer while it answers requests late. A request answered 504 (a stream's excepted:
+  its length is its own) was admitted by a process that could not finish it in time: its CPU
+  saturated, Redis slow to answer it, or its GPUs short or stalled.
+  Each ADAPT_WINDOW_S with a 504 while it holds LEAST_IN_FLIGHT requests or more cuts the
+  in-flight limit to CUT_SHARE of what it holds (no lower than that); a 504 of a request that
+  came before the last cut does not count; each window without one gives GROWTH_SHARE and
+  one request back.
+  The limit so settles where admitted requests end in time, on a slow machine as on a fast
+  one, and a process that answers on time never refuses for it (TCP's congestion window,
+  its 504s the losses). With WEB_MAX_IN_FLIGHT under LEAST_IN_FLIGHT it never moves.
 
 Refusals are 503 + Retry-After, worded by each endpoint, counted as `rejected`, and by reason
 in `sampling_shed_requests_total`.
 
-Tried and left out (docs/reliability.md): estimating the wait before the view from the
-gevent loop's lag, and refusing a share of requests that follows the loop's standing lag (as
-CoDel follows a queue's). On this 2-core bench both refused requests that the code without
-them served on time, and neither kept the goodput of a saturated node.
+Tried and left out (docs/benchmarks/overload.md): estimating the wait before the view from
+the gevent loop's lag, refusing a share of requests that follows the loop's standing lag (as
+CoDel follows a queue's), and an in-flight limit driven by that lag. Each refused requests
+that the code without them served on time, or kept too few.
 """
 
 from __future__ import annotations
@@ -34,6 +44,13 @@ from typing import Any
 # A request needs at least this much of its deadline left to be worth starting: one Redis
 # round trip, its task's publish and a turn of the GPU cannot take less.
 MIN_WORK_MS = 50
+# The in-flight limit's control: a window with a 504 cuts it to CUT_SHARE of what the process
+# holds, a window without one adds GROWTH_SHARE of it and one (a second: about +10% and 10).
+ADAPT_WINDOW_S = 0.1
+CUT_SHARE = 0.7
+GROWTH_SHARE = 0.01
+# Under this many in flight a 504 says little of this process's load: no cut, and none below.
+LEAST_IN_FLIGHT = 64
 # X-Request-Start values further from this process's clock than this are ignored (a clock
 # set wrong, a header of another hop): the request counts from its view, as without one.
 MAX_HEADER_SKEW_S = 60.0
@@ -55,7 +72,7 @@ class ShedReason(StrEnum):
     """The `reason` label of sampling_shed_requests_total."""
 
     LATE = "late"  # waited too much of its deadline before its view ran
-    IN_FLIGHT = "in_flight"  # the process holds WEB_MAX_IN_FLIGHT requests already
+    IN_FLIGHT = "in_flight"  # the process holds its in-flight limit already
 
 
 def header_start(value: str | None, now_wall: float) -> float | None:
@@ -103,7 +120,26 @@ class Shedder:
 
     def __init__(self, max_in_flight: int) -> None:
         self.max_in_flight = max_in_flight
+        self.limit = float(max_in_flight)  # less while requests are answered late
         self.in_flight = 0
+        self._late = 0  # requests answered 504 in this window
+        self._cut_at = -math.inf  # monotonic: the last cut
+
+    def timed_out(self, arrival: float) -> None:
+        """A request of this process that arrived at `arrival` was answered 504. One admitted
+        before the last cut says nothing of the limit since (TCP: one cut a round trip)."""
+        if arrival > self._cut_at:
+            self._late += 1
+
+    def adapt(self) -> None:
+        """Called every ADAPT_WINDOW_S: the in-flight limit follows this window's 504s."""
+        if self._late and self.in_flight >= LEAST_IN_FLIGHT:
+            cut = max(LEAST_IN_FLIGHT, min(self.limit, self.in_flight) * CUT_SHARE)
+            self.limit = min(self.limit, cut)
+            self._cut_at = time.monotonic()
+        else:
+            self.limit = min(self.max_in_flight, self.limit * (1 + GROWTH_SHARE) + 1)
+        self._late = 0
 
     def arrival(self, meta: Mapping[str, Any]) -> float:
         """The request's arrival, on this process's monotonic clock."""
@@ -119,7 +155,7 @@ class Shedder:
 
     def refusal(self, arrival: float, deadline_ms: int) -> ShedReason | None:
         """Why a request that arrived at `arrival` must be refused now, if it must."""
-        if self.in_flight >= self.max_in_flight:
+        if self.in_flight >= self.limit:  # WEB_MAX_IN_FLIGHT at most
             return ShedReason.IN_FLIGHT
         waited_ms = (time.monotonic() - arrival) * 1000
         if waited_ms + MIN_WORK_MS > deadline_ms:

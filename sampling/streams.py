@@ -9,7 +9,10 @@ After every choice, a usage chunk when `stream_options.include_usage`, then `dat
 A failure after the response started (the deadline, the sampler) is an error event, `data:
 {"error": {...}}`, which OpenAI's clients raise as an APIError. What the view counts when it
 returns (the outcome, latency, in-flight slot, usage) is counted here when the stream closes
-(`Stream.on_close`). A client that leaves first (a write fails, or its socket reads as closed
+(`Stream.on_close`). A stream that ends otherwise than whole (cut by its client, failed) is
+charged what it delivered: each prompt's tokens once, if any of its choices sent text, and
+the completion tokens sent (a choice answered, its answer's; else as its last delta sent
+counted them). A client that leaves first (a write fails, or its socket reads as closed
 while the stream waits) closes it as `cancelled`, and its items not answered yet are marked
 so: a worker drops them before its call, or stops their text during it.
 """
@@ -45,6 +48,7 @@ from sampling.submission import (
     Tokens,
     cancel,
     charge,
+    charge_tokens,
     failure_of,
     unavailable,
 )
@@ -160,6 +164,7 @@ class Ends(NamedTuple):
     chunk went: since the request's arrival (its `first`), or since its choice's last."""
 
     charge: Callable[[Answers], Tokens]
+    charge_tokens: Callable[[Tokens, Answers], None]
     cancel: Callable[[list[Ticket]], None]
     left: Callable[[], bool]
     timed: Callable[[bool, float], None]
@@ -171,6 +176,7 @@ class Ends(NamedTuple):
         """A request's ends on its model (`n` choices per prompt, charged at `price`)."""
         return cls(
             lambda answers: charge(model.stats, caller, answers, price, n),
+            lambda tokens, answers: charge_tokens(model.stats, caller, tokens, price, answers),
             lambda tickets: cancel(model, tickets),
             client_left(request.META.get("gunicorn.socket")),
             lambda first, seconds: _count_token_time(model, first, seconds),
@@ -265,6 +271,8 @@ class _Events:
         self.listener = _listener()
         self.feed = self.listener.open_feed([t.batch_id for t in tickets if t.cached is None])
         self.sent = [""] * len(tickets)
+        self.sent_tokens: list[tuple[int, int] | None] = [None] * len(tickets)
+        self.charged = False
         self.gapped = [False] * len(tickets)
         self.answers: list[Answer | None] = [None] * len(tickets)
         self.arrival = deadline - deadline_ms / 1000  # monotonic
@@ -285,6 +293,8 @@ class _Events:
             return
         self._ended = True
         self.listener.close_feed(self.feed)
+        if not self.charged:  # and its tokens reservation settled to them
+            self.ends.charge_tokens(self._delivered(), self.entered.answers)
         metrics.record_stream_end(time.monotonic() - self.arrival)
         if self.stream.outcome is RequestOutcome.CANCELLED:
             tickets = self.entered.tickets
@@ -320,6 +330,8 @@ class _Events:
                 self.feed.wait(min(remaining, LEFT_CHECK_S))
             done = Answers(answer for answer in self.answers if answer is not None)
             done.from_cache = self.entered.answers.from_cache
+            done.reservation = self.entered.answers.reservation
+            self.charged = True  # first: an exit during the charge never charges it twice
             tokens = self.ends.charge(done)
             if self.include_usage:
                 yield chunks.usage(usage_of(tokens))
@@ -336,13 +348,32 @@ class _Events:
                 delta = deltas.get(ticket.index) if ticket.batch_id == task_id else None
                 if delta is None or self.answers[choice] is not None or self.gapped[choice]:
                     continue
-                offset, text = delta
-                if offset != len(self.sent[choice]):
+                if delta.offset != len(self.sent[choice]):
                     self.gapped[choice] = True
-                elif text:
-                    self.sent[choice] += text
+                elif delta.text:
+                    self.sent[choice] += delta.text
+                    if delta.prompt_tokens is not None and delta.completion_tokens is not None:
+                        self.sent_tokens[choice] = (delta.prompt_tokens, delta.completion_tokens)
                     self._timed(choice)
-                    yield self.chunks.content(choice, text)
+                    yield self.chunks.content(choice, delta.text)
+
+    def _delivered(self) -> Tokens:
+        """What a stream that did not end whole delivered: each prompt's tokens once, if one
+        of its choices sent anything; each choice's completion tokens sent (its answer's,
+        answered; else its last delta's count, none where its sampler does not count)."""
+        prompt = completion = 0
+        for first in range(0, len(self.answers), self.n):
+            prompt_tokens = 0
+            for choice in range(first, first + self.n):
+                answer, counted = self.answers[choice], self.sent_tokens[choice]
+                if answer is not None:
+                    prompt_tokens = prompt_tokens or answer.prompt_tokens
+                    completion += answer.completion_tokens
+                elif counted is not None:
+                    prompt_tokens = prompt_tokens or counted[0]
+                    completion += counted[1]
+            prompt += prompt_tokens
+        return Tokens(prompt, completion, 0)
 
     def _timed(self, choice: int) -> None:
         """A content chunk of `choice` goes now: the time to the first, or since its last."""

@@ -32,7 +32,7 @@ from batching.outcomes import ItemOutcome
 from batching.policy import PolicyWatcher
 from batching.problems import Failure, Problem
 from batching.protocol import RUN_BATCH_TASK, task_priority
-from batching.ratelimit import Limited, RateCounter, RateLimiter
+from batching.ratelimit import Limited, RateCounter, RateLimiter, Reservation
 from batching.result_store import queue_result
 from batching.stats import RequestStats
 from batching.topology import REDIS_FAULTS
@@ -78,6 +78,7 @@ class Answers(list[Answer]):
 
     cache: str = ""
     from_cache: frozenset[int] = frozenset()
+    reservation: Reservation | None = None  # its key's tokens held from admission
 
     def headers(self) -> dict[str, str]:
         return {"x-cache": self.cache} if self.cache else {}
@@ -95,14 +96,45 @@ class Answers(list[Answer]):
 
 
 def charge(
-    stats: RequestStats, caller: Caller, answers: Answers, price: Price, n: int = 1
+    stats: RequestStats,
+    caller: Caller,
+    answers: Answers,
+    price: Price,
+    n: int = 1,
+    *,
+    embedding: bool = False,
 ) -> Tokens:
     """Count a 200 answer's usage and its cost at its model's `price` to its caller's key (in
-    memory; anonymous: nothing)."""
+    memory; anonymous: nothing), and settle its tokens reservation: its completion tokens
+    (an embedding's, its input tokens). Answers without counts (anonymous /sample's) keep
+    their reservation whole."""
     tokens = answers.tokens(n)
-    spend = price.of(tokens.prompt, tokens.completion)
-    stats.record_usage(caller.key_id, *tokens, spend_nanos=spend)
+    counted = bool(tokens.prompt or tokens.completion or not answers)
+    used = tokens.prompt if embedding else tokens.completion
+    _record(stats, caller, tokens, price, answers, used if counted else None)
     return tokens
+
+
+def charge_tokens(
+    stats: RequestStats, caller: Caller, tokens: Tokens, price: Price, answers: Answers
+) -> None:
+    """Count `tokens` (what a stream cut short delivered) and their cost to the caller's key,
+    and settle the request's tokens reservation to them."""
+    _record(stats, caller, tokens, price, answers, tokens.completion)
+
+
+def _record(
+    stats: RequestStats, caller: Caller, tokens: Tokens, price: Price, answers: Answers,
+    used: int | None,
+) -> None:  # fmt: skip
+    """`tokens` and their cost counted to the caller's key (nothing for none); the request's
+    tokens reservation settled to `used` (None: kept whole)."""
+    if tokens.prompt or tokens.completion:
+        spend = price.of(tokens.prompt, tokens.completion)
+        stats.record_usage(caller.key_id, *tokens, spend_nanos=spend)
+    reservation = answers.reservation
+    if reservation is not None:
+        reservation.settle(reservation.tokens if used is None else used)
 
 
 class Entered(NamedTuple):
@@ -119,21 +151,25 @@ def submit(
     items: Sequence[str | SampleRequest],
     deadline: float,
     deadline_ms: int,
+    *,
+    reserve: int | None = None,
 ) -> Answers | Failure:
     """Every item's answer (each a completion, in order), or why the request gets none.
-    `deadline` is monotonic; `deadline_ms` the policy's, for messages."""
-    entered = enter(process, caller, items, deadline, deadline_ms)
+    `deadline` is monotonic; `deadline_ms` the policy's, for messages; `reserve`: as enter's.
+    A failure settles the request's tokens reservation to nothing."""
+    entered = enter(process, caller, items, deadline, deadline_ms, reserve=reserve)
     if isinstance(entered, Failure):
         return entered
     answers = entered.answers
     batches: dict[str, list[Any]] = {}  # several items may share a batch: read once
     for ticket in entered.tickets:
         answer = _wait(ticket, batches, deadline, deadline_ms)
-        if isinstance(answer, Failure):
-            return answer
-        failure = failure_of(answer, deadline_ms)
+        failure = answer if isinstance(answer, Failure) else failure_of(answer, deadline_ms)
         if failure is not None:
+            if answers.reservation is not None:
+                answers.reservation.settle(0)
             return failure
+        assert isinstance(answer, Answer)
         answers.append(answer)
     return answers
 
@@ -146,23 +182,31 @@ def enter(
     deadline_ms: int,
     *,
     stream: bool = False,
+    reserve: int | None = None,
 ) -> Entered | Failure:
     """The request's items joined to their batches, or why it cannot be. The items of a
     caller with a request limit join its key's shard, and the call raises its counter
-    (batching.ratelimit). With the response cache on, an item whose output its input
-    determines is looked up in the same call (batching.cache): a hit joins no batch.
+    (batching.ratelimit). A caller with a tokens limit reserves `reserve` tokens first (by
+    default every item's max tokens). With the response cache on, an item whose output its
+    input determines is looked up in the same call (batching.cache): a hit joins no batch.
     `stream`: the items are marked streaming (their worker publishes their text as it comes)."""
     limited = process.limiter.check(caller)  # the model's requests per minute
     if limited is not None:
         return _limited(limited)
     policy = process.watcher.current
+    reservation = _reserve(process, caller, items, policy.max_new_tokens, reserve)
+    if not isinstance(reservation, Reservation | None):
+        return reservation
     queue = process.aggregator.queue
     digests = [cache.digest_of(queue, item, policy, caller.key_id) for item in items]
     joining = list(zip(digests, items, strict=True))
     tickets = _join(process, caller, joining, policy.version, deadline, deadline_ms, stream)
     if isinstance(tickets, Failure):
+        if reservation is not None:
+            reservation.settle(0)
         return tickets
     answers = Answers()
+    answers.reservation = reservation
     asked = sum(1 for digest in digests if digest)
     if asked:
         answers.from_cache = frozenset(
@@ -173,6 +217,28 @@ def enter(
         process.stats.record_cache(hits, asked - hits)
         metrics.record_cache(hits, asked - hits)
     return Entered(tickets, answers)
+
+
+def _reserve(
+    process: RequestPath,
+    caller: Caller,
+    items: Sequence[str | SampleRequest],
+    max_new_tokens: int,
+    reserve: int | None,
+) -> Reservation | Failure | None:
+    """The request's tokens reserved in its key's window (None: no tokens limit), or its
+    refusal: the key at its limit (429), Redis away (503)."""
+    if not caller.tpm:
+        return None
+    if reserve is None:
+        reserve = sum(max_new_tokens if isinstance(item, str) else
+                      (item.max_tokens or max_new_tokens) for item in items)  # fmt: skip
+    try:
+        reserved = process.limiter.reserve(caller, reserve)
+    except REDIS_FAULTS as exc:
+        log.error("cannot reach Redis to reserve a request's tokens: %r", exc)
+        return unavailable()
+    return _limited(reserved) if isinstance(reserved, Limited) else reserved
 
 
 def cancel(process: RequestPath, tickets: Sequence[Ticket]) -> None:

@@ -137,6 +137,8 @@ def _count(
     if in_flight:
         process.shedder.in_flight -= 1
     latency_s = time.monotonic() - arrival
+    if outcome == RequestOutcome.TIMEOUT and not in_flight:  # a stream's length is its own
+        process.shedder.timed_out(arrival)
     key_id = 0 if isinstance(caller, Failure) else caller.key_id
     tier = "" if isinstance(caller, Failure) else caller.tier
     (model or process.default).stats.record(outcome, latency_s, key_id=key_id, tier=tier)
@@ -180,7 +182,12 @@ def _shed(process: WebProcess, arrival: float) -> tuple[ShedReason, Failure] | N
     reason = shedder.refusal(arrival, deadline_ms)
     if reason is None:
         return None
-    if reason == ShedReason.IN_FLIGHT:
+    if reason == ShedReason.IN_FLIGHT and shedder.limit < shedder.max_in_flight:
+        message = (
+            f"overloaded: this web process answered requests late: its in-flight limit is "
+            f"lowered to {int(shedder.limit)} requests for now"
+        )
+    elif reason == ShedReason.IN_FLIGHT:
         message = f"overloaded: this web process holds {shedder.max_in_flight} requests already"
     else:
         waited_ms = (time.monotonic() - arrival) * 1000

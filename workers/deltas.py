@@ -20,7 +20,7 @@ from types import TracebackType
 
 import redis
 
-from batching.deltas import delta_message
+from batching.deltas import Delta, delta_message
 from batching.keys import results_channel
 from batching.topology import is_cluster
 
@@ -55,6 +55,7 @@ class DeltaPublisher:
         self.command = "SPUBLISH" if is_cluster(client) else "PUBLISH"
         self.published = 0  # messages
         self._gathered: dict[int, str] = {}
+        self._tokens: dict[int, tuple[int, int]] = {}  # item -> its tokens at its last text
         self._offsets: dict[int, int] = {}  # item -> characters of its text published
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -63,11 +64,17 @@ class DeltaPublisher:
         self._failed = False
         self._thread = threading.Thread(target=self._run, name=f"deltas-{batch_id}", daemon=True)
 
-    def sink(self, row: int, text: str) -> None:
+    def sink(self, row: int, text: str, tokens: tuple[int, int] | None = None) -> bool:
+        """Gathers the row's text; True once its client has left (as the last publish read)."""
         item = self.items[row]
+        if item in self.cancelled:
+            return True
         with self._lock:
             self._gathered[item] = self._gathered.get(item, "") + text
+            if tokens is not None:
+                self._tokens[item] = tokens
         self._wake.set()
+        return False
 
     def __enter__(self) -> DeltaPublisher:
         self._thread.start()
@@ -106,13 +113,14 @@ class DeltaPublisher:
     def flush(self) -> None:
         with self._lock:
             gathered, self._gathered = self._gathered, {}
+            tokens = dict(self._tokens)
         gathered = {item: text for item, text in gathered.items() if item not in self.cancelled}
         if not gathered:
             return
         deltas = {}
         for item, text in gathered.items():
             offset = self._offsets.get(item, 0)
-            deltas[item] = (offset, text)
+            deltas[item] = Delta(offset, text, *tokens.get(item, (None, None)))
             self._offsets[item] = offset + len(text)
         try:
             with self.client.pipeline(transaction=False) as pipe:

@@ -27,6 +27,7 @@ from django.conf import settings
 from batching import stats, topology
 from batching.admission import AdmissionInputs
 from batching.aggregator import HANDOVER_SCAN_MS, BatchAggregator
+from batching.call_cost import load_profile
 from batching.loop import PeriodicLoop
 from batching.policy import PolicyWatcher, policy_from_settings
 from batching.protocol import RUN_BATCH_TASK, UNKNOWN_LANE, task_priority
@@ -260,6 +261,9 @@ class SamplingWorker:
                 runner.unhealthy_after
             )
             runner.stream_interval_ms = settings.SAMPLING_STREAM_INTERVAL_MS
+            runner.costs.backfill_extra_cost_pct = settings.SAMPLING_BACKFILL_EXTRA_COST_PCT
+            if settings.SAMPLING_COST_PROFILE:
+                runner.costs.profile = load_profile(settings.SAMPLING_COST_PROFILE, 100.0)
             runner.warm_up()
         except BaseException:
             claim.release()

@@ -208,8 +208,8 @@ class BatchPipeline:
         """When the GPU thread's current turn should end (monotonic); now when idle."""
         if self._call_started is None or self._turn is None:
             return time.monotonic()
-        calls = len(self._turn.chunks)
-        return self._call_started + calls * self.runner.estimate_ms / 1000
+        predicted_ms = self._turn.predicted_ms or len(self._turn.chunks) * self.runner.estimate_ms
+        return self._call_started + predicted_ms / 1000
 
     def _prefetch_wait_s(self, number: int) -> float | None:
         """0.0 once Celery may take the task after the `number`-th; else how long to wait at

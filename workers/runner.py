@@ -17,17 +17,18 @@ from dataclasses import asdict, replace
 
 import redis
 
-from batching import backfill, cache, ratelimit, stats
+from batching import backfill, cache, stats
 from batching.admission import AdmissionInputs
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer
-from batching.backfill import NO_KEY, BackfillItem
+from batching.backfill import BackfillItem
 from batching.deltas import STREAM_INTERVAL_MS
 from batching.generation import Row
 from batching.items import Item
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
 from batching.protocol import BACKFILL_TURN, UNKNOWN_LANE
+from workers.call_costs import ESTIMATE_WEIGHT, CallCosts
 from workers.deltas import DeltaPublisher
 from workers.metrics import WorkerMetrics
 from workers.samplers.base import PromptRejected, Sampler
@@ -35,8 +36,12 @@ from workers.turns import QUEUE_TIMES_EVERY_S, Result, Turn, answer_of, record_o
 
 log = logging.getLogger(__name__)
 
-# Weight of the newest call in the running estimate of a sampling call's duration.
-ESTIMATE_WEIGHT = 0.3
+# How long a shard's seals take no backfill after a top-up none of whose items fitted: the
+# lane's head holds lines too large for these calls, and moving them on every seal costs Redis.
+BACKFILL_MISFIT_PAUSE_S = 1.0
+# With no request sealed for this long, a backfill turn takes a full batch (an idle GPU runs
+# a job at its limit); before, no more rows than a call of requests costs.
+REQUESTS_QUIET_S = 1.0
 # Sampler calls failing in a row that make a worker unhealthy: one failure is a batch's
 # problem (a prompt, a bug), three in a row the GPU's (its memory, its driver), and the worker
 # leaves admission (workers.lifecycle) rather than fail every batch it is given.
@@ -65,6 +70,9 @@ class BatchRunner:
             )
         )
         self.metrics = metrics or WorkerMetrics(worker)
+        self.costs = CallCosts(sampler)  # its calls by their shape
+        self.backfill_paused_until: dict[str, float] = {}  # per shard tag, monotonic
+        self.requests_seen_at = float("-inf")  # monotonic time of the last seal with requests
         # The policy this worker runs under (the sampler's own settings until one applies),
         # and the last published version its sampler refused, with why.
         self.applied = Policy(
@@ -178,8 +186,16 @@ class BatchRunner:
         # The places a batch may take from the backfill lane: only while the shard's lane is
         # known to hold items (the last seal's or heartbeat's count), so that a queue without
         # offline jobs seals as it always did.
-        places = policy.max_batch_size if self.backfill_left.get(tag) else 0
+        paused = time.monotonic() < self.backfill_paused_until.get(tag, 0.0)
+        places: int | list[int] = 0
+        if self.backfill_left.get(tag) and not paused:
+            steps = self.sampler.generation.max_new_tokens
+            places = self.costs.top_up_sizes(policy.max_batch_size, steps)
+            if lane == BACKFILL_TURN:
+                places = self._backfill_turn_rows(policy.max_batch_size)
         sealed = self.aggregator.seal(batch_id, self.admission_inputs(), lane=lane, places=places)
+        if sealed.items:
+            self.requests_seen_at = time.monotonic()
         if places:
             self.backfill_left[tag] = sealed.backfill_left
         self.sealed_at[tag] = time.monotonic()
@@ -190,13 +206,18 @@ class BatchRunner:
                 log.info("batch %s was sealed by an earlier task: nothing to run", batch_id)
             return None
         batch_id = sealed.batch_id or batch_id  # a backfill turn's own id, when it took none
-        # One more call must end before the item's deadline, or the item is dropped now and
-        # the sampler never sees it.
-        cutoff = sealed.now_ms + self.estimate_ms
         # A streaming item whose client left takes no place in the call (read only for a
         # batch that streams: the others cost what they did).
         streams = any(item.stream for item in sealed.items)
         cancelled = self._cancelled(batch_id) if streams else set()
+        called = [item for index, item in enumerate(sealed.items) if index not in cancelled]
+        contract = self.costs.profile.is_contract
+        rows = [] if contract else self._rows_of(called)  # the call's shape, on a curve
+        # One more call, of this batch's shape, must end before the item's deadline, or the
+        # item is dropped now and the sampler never sees it.
+        call_ms = self.estimate_ms if contract else self.costs.predict_ms(rows, 0.0)
+        call_ms = call_ms if called else 0.0
+        cutoff = sealed.now_ms + call_ms
         results: dict[int, Answer] = {}
         live: list[int] = []
         for index, item in enumerate(sealed.items):
@@ -206,14 +227,93 @@ class BatchRunner:
                 results[index] = Answer(ItemOutcome.CANCELLED, "the client left")
             else:
                 live.append(index)
+        taken, backfill, returned, call_ms = self._take_backfill(
+            tag, sealed.backfill, rows, live, call_ms
+        )
         # A batch opened under a larger max batch size than the policy's now (just lowered)
         # runs as several calls of at most the new size.
         size = policy.max_batch_size
-        backfill = [BackfillItem.parse(raw) for raw in sealed.backfill]
         live += range(len(sealed.items), len(sealed.items) + len(backfill))  # the places left
         chunks = [live[start : start + size] for start in range(0, len(live), size)]
         ran = replace(policy, **asdict(self.sampler.generation))
-        return Turn(batch_id, sealed, policy, results, chunks, began, ran=ran, backfill=backfill)
+        turn = Turn(batch_id, sealed, policy, results, chunks, began, ran=ran, backfill=backfill)
+        turn.backfill_taken, turn.backfill_returned = taken, returned
+        turn.predicted_ms = call_ms * len(chunks)
+        return turn
+
+    def _take_backfill(
+        self, tag: str, taken: list[bytes], rows: list[Row], live: list[int], call_ms: float
+    ) -> tuple[list[bytes], list[BackfillItem], list[bytes], float]:
+        """Of the backfill items the seal `taken`, those the call runs (raw and parsed) and
+        those it gives back, and the call's predicted time with them: on a curve, a top-up of
+        the `live` items' `rows` keeps what stays in its bound (`_fit_backfill`); under the
+        contract, all."""
+        backfill = [BackfillItem.parse(raw) for raw in taken]
+        if not taken or self.costs.profile.is_contract:
+            return taken, backfill, [], call_ms
+        if not live:  # a backfill turn, sized before its seal
+            rows = self._rows_of([item.as_item() for item in backfill])
+            return taken, backfill, [], self.costs.predict_ms(rows, 0.0)
+        fits, call_ms = self._fit_backfill(tag, rows, backfill)
+        kept = [(raw, item) for raw, item, fit in zip(taken, backfill, fits, strict=True) if fit]
+        returned = [raw for raw, fit in zip(taken, fits, strict=True) if not fit]
+        return [raw for raw, _ in kept], [item for _, item in kept], returned, call_ms
+
+    def _rows_of(self, items: list[Item]) -> list[Row]:
+        """The items as the sampler's rows, but those that make none (a chat its template
+        refuses: rejected alone at the call)."""
+        rows = []
+        for item in items:
+            try:
+                rows.append(self._row(item))
+            except ValueError:
+                continue
+        return rows
+
+    def _learn(self, turn: Turn, items: list[Item], chunk: list[int], sampler_ms: float) -> None:
+        """Learn from a call of a batch of the queue's (`items`: the turn's): the GPU's scale
+        on the profile, and the running estimate of an interactive call, its top-up's
+        predicted share left out (kept on the turn, for its turn time). A call of backfill
+        items only teaches nothing: the queue's calls are what admission and the deadline cut
+        predict."""
+        first_backfill = len(turn.sealed.items)
+        interactive = [items[i] for i in chunk if i < first_backfill]
+        if not turn.interactive or not interactive:
+            return
+        share = 1.0
+        if not self.costs.profile.is_contract:
+            rows = self._rows_of([items[i] for i in chunk])
+            share = self.costs.learn(rows, self._rows_of(interactive), sampler_ms)
+        self.estimate_ms += ESTIMATE_WEIGHT * (sampler_ms * share - self.estimate_ms)
+        turn.backfill_extra_ms += sampler_ms * (1 - share)
+
+    def _backfill_turn_rows(self, max_rows: int) -> int:
+        """A backfill turn's rows: while requests come, as many as a call of theirs costs, so
+        that one arriving during it waits no longer than for one of theirs; after
+        REQUESTS_QUIET_S without any, a full batch."""
+        if time.monotonic() - self.requests_seen_at > REQUESTS_QUIET_S:
+            return max_rows
+        steps = self.sampler.generation.max_new_tokens
+        return self.costs.rows_within(self.estimate_ms, max_rows, steps)
+
+    def _fit_backfill(
+        self, tag: str, rows: list[Row], backfill: list[BackfillItem]
+    ) -> tuple[list[bool], float]:
+        """Which backfill items (in the lane's order) the call of `rows` takes
+        (CallCosts.fitting), and the call's predicted time with them. Those left out go back
+        to the lane when the turn is reported; when none fitted, the shard's seals take no
+        backfill for BACKFILL_MISFIT_PAUSE_S."""
+        candidates = []
+        for item in backfill:
+            made = self._rows_of([item.as_item()])
+            candidates.append(made[0] if made else None)
+        fits, shape = self.costs.fitting(rows, candidates)
+        left = fits.count(False)
+        if left:
+            self.backfill_left[tag] = self.backfill_left.get(tag, 0) + left
+            if left == len(fits):
+                self.backfill_paused_until[tag] = time.monotonic() + BACKFILL_MISFIT_PAUSE_S
+        return fits, self.costs.scale * self.costs.profile.call_ms(shape)
 
     def _cancelled(self, batch_id: str) -> set[int]:
         """The indexes of the batch's items whose streaming client left (one round trip)."""
@@ -227,10 +327,13 @@ class BatchRunner:
         """The turn's sampler calls: every live item gets its answer."""
         if turn.chunks:
             turn.called = time.perf_counter()
+        items = turn.items
         for chunk in turn.chunks:
-            turn.sampler_ms += self._sample(
-                turn.batch_id, turn.items, chunk, turn.results, turn.tokens_by_key
-            )
+            sampler_ms = self._sample(turn.batch_id, items, chunk, turn.results, turn.tokens_by_key)
+            turn.sampler_ms += sampler_ms
+            turn.calls_ms.append(sampler_ms)
+            if self.costs.profile.is_contract:  # one float: learnt before the next seal
+                self._learn(turn, items, chunk, sampler_ms)
         turn.ended = time.perf_counter()
 
     def finish(self, turn: Turn, pipe: redis.client.Pipeline | None = None) -> None:
@@ -240,9 +343,15 @@ class BatchRunner:
         # Written only by the thread that finishes turns; the heartbeat thread just reads.
         self.batches += 1
         self.busy_s += turn.sampler_ms / 1000
+        if not self.costs.profile.is_contract:  # a curve's rows: off the GPU's path
+            items = turn.items
+            for chunk, sampler_ms in zip(turn.chunks, turn.calls_ms, strict=False):
+                self._learn(turn, items, chunk, sampler_ms)
         self._record(turn, pipe)
-        if turn.chunks:  # a batch dropped whole took no GPU time: not a turn to learn from
-            turn_ms = (turn.ended - turn.began) * 1000
+        # A batch dropped whole took no GPU time, and a backfill turn is none of the queue's:
+        # not turns to learn from; a top-up's predicted share is left out.
+        if turn.chunks and turn.interactive:
+            turn_ms = (turn.ended - turn.began) * 1000 - turn.backfill_extra_ms
             self.turn_ms += ESTIMATE_WEIGHT * (turn_ms - self.turn_ms)
 
     def _sample(
@@ -266,6 +375,7 @@ class BatchRunner:
         if not rows:
             return 0.0
         self.busy_since = time.monotonic()
+        left: set[int] = set()  # items whose streaming client left during the call
         try:
             if any(row.stream for row in rows):  # its new text published as it comes
                 publisher = DeltaPublisher(
@@ -275,6 +385,7 @@ class BatchRunner:
                 with publisher:
                     completions = self.sampler.batched_complete(rows, sink=publisher.sink)
                     self.busy_since = None  # the call ended: its last deltas' wait is not its
+                left = publisher.cancelled
             else:
                 completions = self.sampler.batched_complete(rows)
             if len(completions) != len(rows):
@@ -283,6 +394,8 @@ class BatchRunner:
                 )
             for index, completion in zip(called, completions, strict=True):
                 results[index] = answer_of(items[index], completion)
+                if index in left:  # its row may have stopped early: no answer, none cached
+                    results[index] = Answer(ItemOutcome.CANCELLED, "the client left")
                 if not isinstance(completion, PromptRejected):
                     key_id = items[index].key_id
                     prompt, sampled = tokens_by_key.get(key_id, (0, 0))
@@ -300,9 +413,7 @@ class BatchRunner:
                 results[index] = Answer(ItemOutcome.ERROR, reason)
         finally:
             self.busy_since = None
-        sampler_ms = (time.perf_counter() - started) * 1000
-        self.estimate_ms += ESTIMATE_WEIGHT * (sampler_ms - self.estimate_ms)
-        return sampler_ms
+        return (time.perf_counter() - started) * 1000
 
     def _row(self, item: Item) -> Row:
         """The item as the sampler's row: a /sample prompt with the queue's settings, or an
@@ -352,28 +463,24 @@ class BatchRunner:
                 places=policy.max_batch_size * len(turn.chunks),
             )  # fmt: skip
         statistics = statistics_of(turn, record)
-        charges = {  # a backfill item's tokens are its job's, in no key's rate window
-            key_id: tokens[1] for key_id, tokens in turn.tokens_by_key.items() if key_id != NO_KEY
-        }
         cached = self._cached_answers(sealed.items, results, turn.ran or policy)
         cache_ttl_ms = policy.response_cache_ttl_s * 1000
-        now_s = time.time()
         # The statistics' time is the Redis node's (its time at the seal, and the turn since),
         # as the web processes' flushes are: one clock for every minute, whatever this one says.
         at_s = sealed.now_ms / 1000 + (time.perf_counter() - turn.began)
         keys = self.aggregator.shard_of(batch_id)
-        backfilled = (turn.sealed.backfill, turn.backfill, turn.backfill_answers)
+        backfilled = (turn.backfill_taken, turn.backfill, turn.backfill_answers)
         if pipe is not None:
+            backfill.queue_give_back(pipe, keys, turn.backfill_returned)
             backfill.queue_answers(pipe, keys, *backfilled)
             self.aggregator.batch_log.queue_record(pipe, json.dumps(record), statistics, at_s)
-            ratelimit.queue_token_charges(pipe, charges, now_s)
             self.aggregator.queue_cached_answers(pipe, cached, cache_ttl_ms)
             return
         try:
             with self.aggregator.client.pipeline(transaction=False) as own:
+                backfill.queue_give_back(own, keys, turn.backfill_returned)
                 backfill.queue_answers(own, keys, *backfilled)
                 self.aggregator.batch_log.queue_record(own, json.dumps(record), statistics, at_s)
-                ratelimit.queue_token_charges(own, charges, now_s)
                 self.aggregator.queue_cached_answers(own, cached, cache_ttl_ms)
                 own.execute()
         except Exception:  # a lost record must never lose the batch's answers

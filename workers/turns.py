@@ -70,6 +70,16 @@ class Turn:
     # Backfill items the seal took into its places (batching.backfill), after the batch's own:
     # item index len(sealed.items) + k is backfill[k].
     backfill: list[BackfillItem] = field(default_factory=list)
+    # Their raw strings as the seal took them, and those the seal took that the call leaves
+    # out (they go back to the lane when the turn is reported).
+    backfill_taken: list[bytes] = field(default_factory=list)
+    backfill_returned: list[bytes] = field(default_factory=list)
+    calls_ms: list[float] = field(default_factory=list)  # each sampler call's, in order
+    # Its calls as predicted at the seal (workers.pipeline: when the GPU frees), and the part
+    # of their measured time its top-up's items took, as predicted (left out of what the
+    # worker learns of the queue's calls).
+    predicted_ms: float = 0.0
+    backfill_extra_ms: float = 0.0
 
     @property
     def items(self) -> list[Item]:

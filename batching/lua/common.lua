@@ -38,11 +38,40 @@ local function lanes_of(prefix, now, keep_ms)
   return lanes
 end
 
--- predicted_ms(ahead, workers, turn ms): batching.admission.predicted_ms, in Lua: nil where
--- the Python one returns None. Lua numbers are doubles; ahead and workers are integers.
-local function predicted_ms(ahead, workers, turn_ms)
+-- predicted_ms(ahead, workers, turn ms, frees): batching.admission.predicted_ms, in Lua: nil
+-- where the Python one returns None. `frees`: ms until each known running call ends, soonest
+-- first. Lua numbers are doubles; ahead and workers are integers.
+local function predicted_ms(ahead, workers, turn_ms, frees)
   if workers <= 0 or turn_ms <= 0 or ahead < workers then return nil end
-  return (math.floor(ahead / workers) + {{WORST_CASE_EXTRA_TURNS}}) * turn_ms
+  local rounds, slot = math.floor(ahead / workers), ahead % workers
+  local free = turn_ms
+  if frees[slot + 1] then
+    free = math.min(turn_ms, math.max(0, frees[slot + 1]) + {{ADMISSION_MARGIN_TURNS}} * turn_ms)
+  end
+  return free + (rounds + {{WORST_CASE_EXTRA_TURNS}} - 1) * turn_ms
+end
+
+-- call_frees(shard prefix, workers, shards, now): ms until each of the shard's latest
+-- `workers` calls ends, as their seals predicted, soonest first (record_call). Empty on
+-- several shards: a shard sees only its own seals, not every running call.
+local function call_frees(prefix, workers, shards, now)
+  local frees = {}
+  if shards ~= 1 or workers <= 0 then return frees end
+  local ends = redis.call('ZREVRANGE', prefix .. ':call-ends', 0, workers - 1, 'WITHSCORES')
+  for i = 2, #ends, 2 do
+    table.insert(frees, tonumber(ends[i]) - now)
+  end
+  table.sort(frees)
+  return frees
+end
+
+-- record_call(shard prefix, call id, now, turn ms, workers, ttl ms): a call sealed now ends
+-- a turn from now; the latest `workers` ends are kept. On one shard only (call_frees).
+local function record_call(prefix, call_id, now, turn_ms, workers, ttl)
+  local key = prefix .. ':call-ends'
+  redis.call('ZADD', key, now + turn_ms, call_id)
+  redis.call('ZREMRANGEBYRANK', key, 0, -(workers + 1))
+  redis.call('PEXPIRE', key, ttl)
 end
 
 -- refresh_admission(shard prefix, lanes, admission hash, now): recompute the figure a request
@@ -70,6 +99,7 @@ local function refresh_admission(prefix, lanes, admission_key, now)
   if not workers then return 0 end
   local turn_ms, shards, window_ms = tonumber(inputs[2]), tonumber(inputs[3]), tonumber(inputs[4])
   local since = now - window_ms
+  local frees  -- read once, at the first backlog: none at light load
   local ahead, lane_zero = 0, 0
   for rank, lane in ipairs(lanes) do
     local unsealed_key = lane_key(prefix, 'unsealed', lane)
@@ -78,7 +108,10 @@ local function refresh_admission(prefix, lanes, admission_key, now)
     if redis.call('EXISTS', lane_key(prefix, 'open', lane)) == 1 then
       ahead = ahead + shards - 1
     end
-    local predicted = predicted_ms(ahead, workers, turn_ms) or 0
+    if not frees and workers > 0 and ahead >= workers then
+      frees = call_frees(prefix, workers, shards, now)
+    end
+    local predicted = predicted_ms(ahead, workers, turn_ms, frees or {}) or 0
     if rank > 1 and workers > 0 then
       local left = redis.call('HMGET', admission_key, 'share:' .. lane, 'avail_at:' .. lane)
       local share = tonumber(left[1])

@@ -16,6 +16,7 @@
 -- ARGV[9]: keys' spend by month (JSON: month -> key id -> spend; '' for none),
 -- ARGV[10]: the month totals' key prefix (prefix .. month: hash key id -> spend),
 -- ARGV[11]: their TTL s
+-- ARGV[12]: TTL s of the applied sequences (optional: '' or absent, ARGV[7]'s)
 -- Returns {1 applied or 0 already applied, the offset applied (s)}
 local function now_ms(clock)
   if clock and clock ~= '' then return tonumber(clock) end
@@ -55,5 +56,9 @@ if ARGV[9] and ARGV[9] ~= '' then
   end
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ttl)
+if ARGV[12] and ARGV[12] ~= '' then
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[12]))
+else
+  redis.call('EXPIRE', KEYS[1], ttl)
+end
 return {1, shift}

@@ -17,12 +17,15 @@
 -- batch still has a task coming; any other task whose batch is sealed is a duplicate, and
 -- seals nothing. `exact` (a dispatcher abandoning its batch) seals the named batch or nothing.
 --
--- The sealing worker also refreshes the shard's admission and takes the shard's batches due
--- for a hand-over (it sends their tasks again): under load, no other round trip is needed for
--- either.
+-- The sealing worker also records when its call should end (a turn from now, in the shard's
+-- call-ends: admission counts from it), refreshes the shard's admission and takes the shard's
+-- batches due for a hand-over (it sends their tasks again): under load, no other round trip
+-- is needed for any of them.
 --
 -- With `places` > 0, the seal tops its batch up from the backfill lane (batching.backfill)
--- into the places its items leave empty, up to `places` in all; a backfill turn (lane
+-- into the places its items leave empty, up to `places` in all. `places` may list sizes
+-- ("16,32,64,100": a GPU's graph buckets): the batch is topped up to the smallest of them
+-- that holds its items, never past it (a larger call would cost more). A backfill turn (lane
 -- {{BACKFILL_TURN}}: a worker whose GPU would be idle) seals as a task whose batch was taken
 -- over does, and with no batch to take, takes a whole batch of backfill items.
 --
@@ -34,7 +37,8 @@
 -- ARGV[8]: inputs ttl ms, ARGV[9]: dispatch grace ms, ARGV[10]: hand-overs at most,
 -- ARGV[11]: ttl ms, ARGV[12]: shard prefix, ARGV[13]: the task's lane (-1: not known),
 -- ARGV[14]: exact (1: that batch or none), ARGV[15]: hold ms,
--- ARGV[16]: places (the batch's, backfill included; 0: no backfill),
+-- ARGV[16]: places (the batch's, backfill included; 0: no backfill), or ascending sizes
+-- separated by commas,
 -- ARGV[17]: clock ms (optional: a test sets the time; absent or '', the node's TIME)
 -- Returns {now ms, opened-at ms (or -1), the sealed batch's id ('' for none), its lane (-1 for
 -- none), number of hand-overs h, h batch ids due for a hand-over, number of backfill items b,
@@ -210,15 +214,17 @@ if chosen then
 end
 forget_stale(task, held, now, stale, ttl)
 
-if tonumber(ARGV[4]) > 0 then
-  set_admission_inputs(ADMISSION, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
-end
-refresh_admission(prefix, lanes, ADMISSION, now)
 local due = take_due(DUE, prefix, lanes, SENT, batch_prefix, now, tonumber(ARGV[9]),
                      tonumber(ARGV[10]))
 -- The backfill lane fills the places left: of the batch taken, or of a backfill turn's own.
 local backfill, left = {}, 0
-local places = tonumber(ARGV[16]) - #items
+local places = 0
+for size in string.gmatch(ARGV[16], '%-?%d+') do
+  if tonumber(size) >= #items then
+    places = tonumber(size) - #items
+    break
+  end
+end
 if places > 0 and not task.exact and (chosen or backfill_turn) then
   backfill = redis.call('LPOP', BACKFILL, places) or {}
   if #backfill > 0 then  -- one ZADD: a call of 100 items is the seal's largest part
@@ -231,6 +237,16 @@ if places > 0 and not task.exact and (chosen or backfill_turn) then
   end
   left = redis.call('LLEN', BACKFILL)
 end
+local workers = tonumber(ARGV[4])
+if workers > 0 then
+  set_admission_inputs(ADMISSION, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
+  if (chosen or #backfill > 0) and turn_ms > 0 and tonumber(ARGV[6]) == 1 then
+    -- A backfill turn's id is its worker's count: numbered too, or two workers' would be one.
+    local call_id = chosen or (task.bid .. '#' .. redis.call('HINCRBY', ADMISSION, 'calls', 1))
+    record_call(prefix, call_id, now, turn_ms, workers, ttl)
+  end
+end
+refresh_admission(prefix, lanes, ADMISSION, now)
 local reply = {now, opened_at, chosen or '', lane or -1, #due}
 for _, due_bid in ipairs(due) do table.insert(reply, due_bid) end
 table.insert(reply, #backfill)

@@ -4,14 +4,20 @@ On this machine: two web nodes and 4 simulated GPUs, the request path on one Red
 as 3 shards over a local 3-master cluster, under the same load.
 
     .venv/bin/python -m bench farm [--rounds 2] [--rate 400] [--seconds 10] [--gpus 4]
-        [--call-ms 100] [--deadline-ms D] [--max-in-flight N] [--topology both|one|cluster]
-    .venv/bin/python -m bench farm --slow-motion [--topology cluster]
+        [--call-ms 100] [--deadline-ms D] [--max-in-flight N] [--connections N]
+        [--topology both|one|cluster]
+    .venv/bin/python -m bench farm --slow-motion [--topology cluster] [--cost h100-graphs-135m]
 
 `--slow-motion` is the 20,000 req/s farm (21 GPUs, 100 ms calls, 500 ms deadlines) slowed
 down 20 times so that this machine carries it: 21 simulated workers with 2,000 ms calls and
-10,000 ms deadlines (and so 20 times the web processes' in-flight cap) under 1,000 req/s for
-60 s, one round. Its bar: at least 99.9% of the requests answered 200 and none 500 on the
-cluster, as on one Redis (the last line says whether each topology met it).
+10,000 ms deadlines (and so 20 times the web processes' in-flight cap and connections) under
+1,000 req/s for 60 s, one round. Its bar: at least 99.9% of the requests answered 200 and
+none 500 on the cluster, as on one Redis (the line after the table says whether each topology
+met it).
+`--cost` prices the calls on a cost profile (requests of 16 new tokens): with `--slow-motion`,
+its every time 20 times longer, on the planner's GPUs for 20,000 req/s (`--gpus` overrides).
+Last, the planner's check: the farm's batch fill and p50/p99 in calls beside the planner's
+simulation of the same run (bench/farm/check.py).
 
 Each round starts, per topology, a fresh set of servers and processes:
   - the Celery broker on its own Redis (CELERY_BROKER_URL; REDIS_URL points there too);
@@ -47,9 +53,11 @@ from pathlib import Path
 import redis
 
 from batching.aggregator import BatchAggregator
-from batching.outcomes import RequestOutcome
+from batching.call_cost import CONTRACT
+from batching.policy import Policy
 from batching.topology import redis_client
-from bench.farm.report import table, verdicts
+from bench.farm.check import check_table, planned_gpus, records_of, scenario_of, turn_gap_ms
+from bench.farm.report import round_row, table, verdicts
 from bench.farm.shape import (
     CALL_MS,
     CHOSEN,
@@ -60,6 +68,8 @@ from bench.farm.shape import (
     SLOWED,
     WEB_NODES,
     Shape,
+    slow_motion,
+    slowed_profile,
 )
 from bench.harness import loadgen
 from bench.harness.machine import describe_machine
@@ -68,7 +78,6 @@ from bench.harness.stack import Stack, simulated_env, simulated_stack
 from bench.harness.trees import in_turn
 from inference_site.lib.embedded_cluster import EmbeddedCluster
 from inference_site.lib.embedded_redis import EmbeddedRedis, valkey_binary
-from workers.samplers.simulated import expected_completion
 
 SHED_REASONS = ("in_flight", "late")  # sampling.shedding.ShedReason's values
 
@@ -109,10 +118,10 @@ def one_round(
                     deadline_ms=shape.deadline_ms,
                     CELERY_BROKER_URL=broker.url,
                 ),
+                **shape.calls.env(),
                 **settings,
             }
-            if shape.max_in_flight:
-                env["WEB_MAX_IN_FLIGHT"] = str(shape.max_in_flight)
+            env.update(shape.web_env())
             # The first web node starts the workers too; the second is a gunicorn alone.
             for node in range(WEB_NODES):
                 stack = simulated_stack(
@@ -133,12 +142,12 @@ def one_round(
             def load(duration_s: float, label: str) -> loadgen.Results:
                 return loadgen.run(
                     "127.0.0.1", ports, "/sample", rate_rps, duration_s,
-                    lambda i: f"{label} {tag} {i}", expected_completion,
+                    lambda i: f"{label} {tag} {i}", shape.calls.expected(),
                     client_timeout_s=shape.client_timeout_s,
                 )  # fmt: skip
 
             load(3.0, "warm")
-            time.sleep(shape.call_ms / 1000 + 0.9)  # the warm-up's last batches recorded
+            time.sleep(shape.calls.full_call_ms / 1000 + 0.9)  # the warm-up's batches recorded
             aggregator.client.delete(aggregator.keys.batch_log)
             broker_client = redis.Redis.from_url(broker.url)
             redis_before = [redis_cpu(node).total_s for node in nodes]
@@ -160,47 +169,17 @@ def one_round(
             wrong = results.count(loadgen.WRONG)
             if wrong:
                 raise RuntimeError(f"{wrong} requests got someone else's completion")
-            return _row(results, sizes, web_used, redis_used, broker_used, shed)
+            row = round_row(results, sizes, web_used, redis_used, broker_used, shed)
+            return {**row, "gap_ms": turn_gap_ms(records_of(aggregator.batch_log.recent()))}
     finally:
         for stack in reversed(stacks):
             stack.stop()
         broker.stop()
 
 
-def _row(
-    results: loadgen.Results,
-    sizes: list[int],
-    web_used: float,
-    redis_used: list[float],
-    broker_used: float,
-    shed: dict[str, float],
-) -> dict[str, object]:
-    """A round's figures from its load's results, batch sizes, CPU seconds used and the
-    web processes' own refusals by reason."""
-    sent = results.sent
-    return {
-        "goodput": results.goodput_rps,
-        "sent": sent,
-        "ok_%": 100 * results.share(RequestOutcome.OK),
-        "other": results.count(loadgen.OTHER),
-        "other_example": results.examples.get(loadgen.OTHER, ""),
-        "503_%": 100 * results.share(RequestOutcome.REJECTED),
-        "504_%": 100 * results.share(RequestOutcome.TIMEOUT),
-        "in_flight_%": 100 * shed["in_flight"] / sent,
-        "late_%": 100 * shed["late"] / sent,
-        "p50_ms": results.percentile_ms(50),
-        "p99_ms": results.percentile_ms(99),
-        "fill": statistics.mean(sizes) if sizes else 0.0,
-        "batches": len(sizes),
-        "web_ms": web_used / sent * 1000,
-        "redis_us": [used / sent * 1e6 for used in redis_used],
-        "broker_us": broker_used / sent * 1e6,
-    }
-
-
 # The options' defaults; --slow-motion's (SLOW_MOTION) over them; any option given over both.
 DEFAULTS = {"gpus": GPUS, "call_ms": CALL_MS, "deadline_ms": None, "max_in_flight": None,
-            "rate": 400.0, "seconds": 10.0, "rounds": 2}  # fmt: skip
+            "connections": None, "rate": 400.0, "seconds": 10.0, "rounds": 2}  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,25 +189,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, help=f"simulated workers (default {GPUS})")
     parser.add_argument("--call-ms", type=int, help=f"a simulated call (default {CALL_MS})")
     parser.add_argument("--deadline-ms", type=int, help="default: the service's")
-    parser.add_argument(
-        "--max-in-flight", type=int, help="WEB_MAX_IN_FLIGHT; default: the service's"
-    )
+    parser.add_argument("--max-in-flight", type=int, help="WEB_MAX_IN_FLIGHT per web process")
+    parser.add_argument("--connections", type=int, help="WEB_WORKER_CONNECTIONS per process")
     parser.add_argument("--topology", choices=sorted(CHOSEN), default="both")
+    parser.add_argument("--cost", default=CONTRACT, help="calls on a cost profile (contract)")
     parser.add_argument(
         "--slow-motion",
         action="store_true",
         help=f"the 20,000 req/s farm slowed {SLOWED}x: "
         + ", ".join(f"--{name.replace('_', '-')} {value:g}" for name, value in SLOW_MOTION.items()),
     )
+    parser.add_argument("--slowed", type=float, default=SLOWED, help="--slow-motion's factor")
 
 
 def main(args: argparse.Namespace) -> None:
+    slowed = slow_motion(args.slowed)
+    gpus_given = args.gpus is not None
     for name, default in DEFAULTS.items():
         if getattr(args, name) is None:
-            setattr(args, name, SLOW_MOTION[name] if args.slow_motion else default)
-    shape = Shape(args.gpus, args.call_ms, args.deadline_ms, args.max_in_flight)
+            value = slowed[name] if args.slow_motion else default
+            if value is not None and name not in ("rate", "seconds"):
+                value = int(value)
+            setattr(args, name, value)
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench-farm-"))
+    limits = {"max_in_flight": args.max_in_flight, "connections": args.connections}
+    shape = Shape(args.gpus, args.call_ms, args.deadline_ms, cost=args.cost, **limits)
+    if args.slow_motion and shape.calls.on_curve:  # the planner's GPUs; every call slowed
+        if not gpus_given:
+            args.gpus = planned_gpus(shape.calls.profile, 20_000, Policy().deadline_ms)
+        profile = slowed_profile(args.cost, args.slowed, work)
+        shape = Shape(args.gpus, args.call_ms, args.deadline_ms, cost=profile, **limits)
     topologies = CHOSEN[args.topology]
     figures: dict[str, list[dict[str, object]]] = {topology: [] for topology in topologies}
     try:
@@ -245,6 +236,14 @@ def main(args: argparse.Namespace) -> None:
         print()
         print(table(figures, args.rate, shape))
         print("\n".join(verdicts(figures)))
+        deadline_ms = shape.deadline_ms or Policy().deadline_ms
+        for topology, runs in figures.items():
+            farm = {name: statistics.median(float(run[name]) for run in runs)  # type: ignore[arg-type]
+                    for name in ("fill", "p50_ms", "p99_ms", "gap_ms")}  # fmt: skip
+            scenario = scenario_of(args.rate, shape.gpus, shape.call_ms, deadline_ms,
+                                   args.seconds, shape.calls.profile)  # fmt: skip
+            check = check_table(farm, scenario, farm["gap_ms"], shape.calls.full_call_ms)
+            print(f"\n{topology}: {check}")
         print(f"{describe_machine()}; {time.monotonic() - started:.0f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)

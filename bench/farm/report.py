@@ -2,9 +2,44 @@
 
 from __future__ import annotations
 
+import statistics
+
+from batching.outcomes import RequestOutcome
 from bench.farm.shape import OK_BAR_PERCENT, WEB_NODES, Shape
+from bench.harness import loadgen
 from bench.harness.report import markdown_table
 from bench.harness.stats import median_of_rounds
+
+
+def round_row(
+    results: loadgen.Results,
+    sizes: list[int],
+    web_used: float,
+    redis_used: list[float],
+    broker_used: float,
+    shed: dict[str, float],
+) -> dict[str, object]:
+    """A round's figures from its load's results, batch sizes, CPU seconds used and the
+    web processes' own refusals by reason."""
+    sent = results.sent
+    return {
+        "goodput": results.goodput_rps,
+        "sent": sent,
+        "ok_%": 100 * results.share(RequestOutcome.OK),
+        "other": results.count(loadgen.OTHER),
+        "other_example": results.examples.get(loadgen.OTHER, ""),
+        "503_%": 100 * results.share(RequestOutcome.REJECTED),
+        "504_%": 100 * results.share(RequestOutcome.TIMEOUT),
+        "in_flight_%": 100 * shed["in_flight"] / sent,
+        "late_%": 100 * shed["late"] / sent,
+        "p50_ms": results.percentile_ms(50),
+        "p99_ms": results.percentile_ms(99),
+        "fill": statistics.mean(sizes) if sizes else 0.0,
+        "batches": len(sizes),
+        "web_ms": web_used / sent * 1000,
+        "redis_us": [used / sent * 1e6 for used in redis_used],
+        "broker_us": broker_used / sent * 1e6,
+    }
 
 
 def table(figures: dict[str, list[dict[str, object]]], rate_rps: float, shape: Shape) -> str:
@@ -31,7 +66,7 @@ def table(figures: dict[str, list[dict[str, object]]], rate_rps: float, shape: S
     deadline = f"{shape.deadline_ms} ms" if shape.deadline_ms else "default"
     title = (
         f"Farm: {WEB_NODES} web nodes (1 gunicorn process each), {shape.gpus} simulated GPUs "
-        f"({shape.call_ms} ms a call, {deadline} deadlines), {rate_rps:g} req/s offered, "
+        f"({shape.calls.describe()}, {deadline} deadlines), {rate_rps:g} req/s offered, "
         f"medians of {rounds} rounds (other: the most of any round)"
     )
     return f"{title}\n\n{markdown_table(header, rows, align='lrrrrrrrrrrlr')}\n"

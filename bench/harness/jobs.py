@@ -36,8 +36,9 @@ def start(client: OpenAI, model: str, lines: int, tag: str) -> str:
 
 
 def wait_cancelled(client: OpenAI, job_id: str) -> None:
+    """Until the job stopped: cancelled, or done before the cancel reached it (a short job)."""
     deadline = time.monotonic() + 60
-    while client.batches.retrieve(job_id).status != "cancelled":
+    while client.batches.retrieve(job_id).status not in ("cancelled", "completed", "failed"):
         if time.monotonic() > deadline:
             raise RuntimeError(f"job {job_id} was not cancelled within 60 s")
         time.sleep(0.1)

@@ -1,8 +1,11 @@
-"""The statistics every benchmark reports: one percentile (nearest-rank) and medians of rounds."""
+"""The statistics every benchmark reports: one percentile (nearest-rank), medians of rounds,
+and the GPU's wait between calls from the workers' batch records."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -48,3 +51,19 @@ def median_of_rounds(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         else:
             row[name] = first
     return row
+
+
+def gaps_between_calls_ms(records: Iterable[Mapping[str, Any]]) -> list[float]:
+    """How long each worker's GPU waited from the end of one call to the start of its next,
+    for every pair of consecutive calls in batch records (a record without a call, its items
+    all dropped, is none). Records' times are whole ms: a gap may read a little below 0."""
+    by_worker: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for record in records:
+        if record.get("call_started_ms") is not None:
+            by_worker[record["worker"]].append(record)
+    gaps = []
+    for calls in by_worker.values():
+        calls.sort(key=lambda record: record["call_started_ms"])
+        gaps += [after["call_started_ms"] - before["call_started_ms"] - before["sampler_ms"]
+                 for before, after in itertools.pairwise(calls)]  # fmt: skip
+    return gaps

@@ -10,12 +10,14 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import redis
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from batching.aggregator import BatchAggregator
 from inference_site.lib.stack import Stack
@@ -201,3 +203,48 @@ def test_hostile_parameters_get_a_4xx_that_says_why(
     reply = request(stack.base_url, path, payload, method=method, headers=headers)
     assert 400 <= reply.status < 500, reply
     assert json.loads(reply.body)["error"]["message"]
+
+
+def test_a_job_whose_input_cannot_be_read_fails_and_is_counted(
+    stack: Stack, client: OpenAI
+) -> None:
+    uploaded = client.files.create(file=("gone.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+    files = Path(stack.env["SAMPLING_FILES_DIR"])
+    (stored,) = [path for path in files.rglob(f"{uploaded.id}*") if path.is_file()]
+    stored.unlink()  # lost from storage under its job
+    before = _failures(stack)
+    job = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    done = ended(client, job.id)
+    assert done.status == "failed", done
+    assert done.errors is not None
+    assert done.errors.data is not None
+    assert "cannot be validated" in str(done.errors.data[0].message)
+    wait_until(lambda: _failures(stack) == before + 1, what="the failure on /metrics")
+
+
+def _failures(stack: Stack) -> float:
+    """`sampling_batch_job_failures_total{step="validated"}` on /metrics (0: none yet)."""
+    text = request(stack.base_url, "/metrics", method="GET").body
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "sampling_batch_job_failures_total" and sample.labels == {
+                "step": "validated"
+            }:
+                return float(sample.value)
+    return 0.0
+
+
+def test_a_big_upload_is_received_beside_the_files_it_becomes(stack: Stack, client: OpenAI) -> None:
+    """Over Django's in-memory size, an upload is written in SAMPLING_UPLOAD_TEMP_DIR (by
+    default on the files' volume, never a small /tmp), then stored by a rename."""
+    lines = chat_lines(stack.env["SAMPLING_QUEUE"], 12_000, "big-upload")
+    content = jsonl(lines)
+    assert len(content) > 2_621_440  # FILE_UPLOAD_MAX_MEMORY_SIZE
+    uploaded = client.files.create(file=("big.jsonl", io.BytesIO(content)), purpose="batch")
+    assert uploaded.bytes == len(content)
+    files = Path(stack.env["SAMPLING_FILES_DIR"])
+    (stored,) = [path for path in files.rglob(f"{uploaded.id}*") if path.is_file()]
+    assert stored.read_bytes() == content
+    receiving = files / ".uploading"
+    assert receiving.is_dir()  # where it arrived
+    assert list(receiving.iterdir()) == []  # and whence it was moved

@@ -1,8 +1,9 @@
 """An offline job through faults: its worker killed (SIGKILL) in the middle of the job, then
 its Redis restarted with no data. The job completes, and every custom_id is in its output
-exactly once. A feeder run that failed (Redis away) keeps the feeder's lock: with Redis back
-with its data, the next job is fed within seconds, not once the lock's TTL has run out. A
-feeder killed while it finalizes a job: the next one finalizes it again."""
+exactly once. The same with Redis restarted with its data less its last writes. A feeder run
+that failed (Redis away) keeps the feeder's lock: with Redis back with its data, the next job
+is fed within seconds, not once the lock's TTL has run out. A feeder killed while it
+finalizes a job: the next one finalizes it again."""
 
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ import pytest
 import redis
 from openai import OpenAI
 
-from batching.keys import QueueKeys
+from batching.keys import QueueKeys, ShardKeys, shard_tags
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
-from offline.feeder import LOCK_TTL_S
 from tests.support.batches import (
     batch_stack,
     chat_lines,
@@ -34,9 +34,12 @@ pytestmark = pytest.mark.integration
 
 LINES = 8000  # 4 s of 50 ms calls of 100, for the faults to fall in the middle of it
 TAKEN_TIMEOUT_S = 3  # what a killed worker's items wait before they go back
+CUT_ITEMS = 300  # the lane's last pushed items a Redis restart is made to lose
 # A job of a few lines after a failed feeder run: fed and done within this, well inside the
-# feeder lock's TTL (offline.feeder.LOCK_TTL_S) that a locked-out feeder waited for.
+# feeder lock's TTL (SAMPLING_FEEDER_LOCK_TTL_S, 60 s) that a locked-out feeder waited for.
 FED_WITHIN_S = 15
+# The feeder lock's TTL where a test waits for it to pass to another feeder.
+LOCK_TTL_S = 8
 # A job whose finalization takes long enough to be caught in it, and the tries at that.
 FINALIZED_LINES = 20_000
 FINALIZING_TRIES = 3
@@ -89,6 +92,36 @@ def test_a_job_survives_a_killed_worker_and_a_redis_restart(
     assert completed(done) == LINES
 
 
+def test_a_job_loses_no_line_to_a_redis_restarted_with_its_data(
+    start_stack: Callable[..., Stack],
+    durable_redis: EmbeddedRedis,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Redis restarted with its data, its last writes lost (as an AOF cut loses them): the
+    lane's last pushed items are removed first, so the loss is certain. The epoch stays, so
+    only reconciliation can find those lines; the job completes without waiting for expiry."""
+    stack = batch_stack(
+        start_stack, "batch-aof", tmp_path_factory.mktemp("files"),
+        REDIS_URL=durable_redis.url, SAMPLING_BACKFILL_TAKEN_TIMEOUT_S=str(TAKEN_TIMEOUT_S),
+    )  # fmt: skip
+    client = keyed_client(stack)
+    model = stack.env["SAMPLING_QUEUE"]
+    lines = chat_lines(model, LINES, "aof")
+    job = create(client, lines)
+    wait_until(lambda: completed(client.batches.retrieve(job.id)) >= LINES // 8, 30, "under way")
+    direct = redis.Redis.from_url(durable_redis.url)
+    (lane,) = [ShardKeys(tag).backfill for tag in shard_tags(model, 1)]
+    # Cut as soon as items wait (a busy machine's feeder may leave the lane empty a moment).
+    wait_until(lambda: direct.rpop(lane, CUT_ITEMS), 30, "items waiting in the lane, cut")
+    durable_redis.kill()
+    durable_redis.start()  # with its data, the epoch included: less the items cut
+    done = ended(client, job.id, timeout_s=TAKEN_TIMEOUT_S + 60)
+    assert done.status == "completed", done
+    output = records(client, done.output_file_id)
+    assert sorted(r["custom_id"] for r in output) == sorted(line["custom_id"] for line in lines)
+    assert completed(done) == LINES
+
+
 def test_a_failed_feeder_run_keeps_its_lock(
     start_stack: Callable[..., Stack],
     durable_redis: EmbeddedRedis,
@@ -114,7 +147,10 @@ def test_a_failed_feeder_run_keeps_its_lock(
 def test_a_feeder_killed_while_it_finalizes_a_job_is_followed_by_one_that_finishes_it(
     start_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    stack = batch_stack(start_stack, "finalizing", tmp_path_factory.mktemp("files"))
+    stack = batch_stack(
+        start_stack, "finalizing", tmp_path_factory.mktemp("files"),
+        SAMPLING_FEEDER_LOCK_TTL_S=str(LOCK_TTL_S),
+    )  # fmt: skip
     client = keyed_client(stack)
     model = stack.env["SAMPLING_QUEUE"]
     for attempt in range(FINALIZING_TRIES):

@@ -10,11 +10,9 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from batching.generation import render_chat_plain
 from inference_site.lib.stack import Stack
 from offline.feeder import AHEAD_CALLS
 from tests.support.batches import (
@@ -26,10 +24,10 @@ from tests.support.batches import (
     ended,
     jsonl,
     keyed_client,
+    own_answer,
     records,
 )
 from tests.support.waiting import wait_until
-from workers.samplers.simulated import expected_completion
 
 pytestmark = pytest.mark.integration
 
@@ -56,12 +54,6 @@ def stack(start_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFa
 @pytest.fixture(scope="module")
 def model(stack: Stack) -> str:
     return stack.env["SAMPLING_QUEUE"]
-
-
-def own_answer(line: dict[str, Any]) -> str:
-    """What the simulated sampler writes for a chat line of one user message."""
-    (message,) = line["body"]["messages"]
-    return expected_completion(render_chat_plain((("user", message["content"]),)))
 
 
 def test_every_line_of_a_long_job_gets_its_own_answer(stack: Stack, model: str) -> None:

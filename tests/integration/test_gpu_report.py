@@ -34,6 +34,7 @@ def pinned(name: str) -> set[str]:
     return {re.sub(r"\[.*\]", "", pin).lower().replace("_", "-") for pin in pins}
 
 
+@pytest.mark.timeout(660)  # the dry run's own limit is 600 s
 def test_the_dry_run_checks_everything_the_report_needs(tmp_path: Path) -> None:
     done = dry_run(sys.executable, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -65,6 +66,13 @@ def test_the_dry_run_checks_everything_the_report_needs(tmp_path: Path) -> None:
     row = next((line for line in streaming if line.startswith("| 1/s |")), None)
     assert row is not None, streaming
     assert float(row.split("|")[2]) == 1.0  # goodput/s: both streams good over 2 s
+    # The backfill run's requests were answered beside a job that answered some of its lines.
+    backfill = (tmp_path / "dry-backfill.md").read_text().splitlines()
+    row = next((line for line in backfill if line.startswith("| 1% |")), None)
+    assert row is not None, backfill
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert float(cells[1]) > 0  # goodput/s without the job
+    assert float(cells[2]) > 0  # and with it
 
 
 def test_the_dry_run_fails_without_torch(tmp_path: Path) -> None:

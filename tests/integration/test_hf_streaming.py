@@ -51,7 +51,7 @@ def test_streamed_text_is_the_answer_as_it_grew_row_by_row(smollm2: HFSampler, p
         ]
         plain = smollm2.batched_complete(rows)
         seen: dict[int, list[str]] = defaultdict(list)
-        streamed = smollm2.batched_complete(rows, lambda row, text: seen[row].append(text))
+        streamed = smollm2.batched_complete(rows, lambda row, text, *_: seen[row].append(text))
     assert streamed == plain
     assert set(seen) == {0, 1, 3}
     answers = [answer for answer in plain if isinstance(answer, Completion)]

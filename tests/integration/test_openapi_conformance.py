@@ -10,6 +10,7 @@ choices than a batch holds (400): limits of the deployment, not of the document.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import schemathesis
@@ -19,19 +20,27 @@ from schemathesis.checks import positive_data_acceptance
 
 from inference_site.lib.stack import Stack
 from sampling.openapi import openapi_document
+from tests.support.batches import keyed_client
 
 pytestmark = pytest.mark.integration
 
 # Requests per operation and generation mode: enough to cover every field's kinds of value,
 # few enough for the suite (each valid request is a real batch of 100 ms).
 EXAMPLES = 25
+# Sequences of linked calls, and calls a sequence at most.
+LINKED_RUNS, LINKED_STEPS = 30, 6
 
 
 @pytest.fixture(scope="module")
-def api_schema(start_stack: Callable[..., Stack]) -> schemathesis.BaseSchema:
-    stack = start_stack("schemathesis", env={"SAMPLER": "simulated", "SIMULATED_BATCH_MS": "20"})
-    schema = schemathesis.openapi.from_url(f"{stack.base_url}/v1/openapi.json")
-    return schema
+def stack(start_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    files = str(tmp_path_factory.mktemp("schemathesis-files"))
+    env = {"SAMPLER": "simulated", "SIMULATED_BATCH_MS": "20", "SAMPLING_FILES_DIR": files}
+    return start_stack("schemathesis", env=env)
+
+
+@pytest.fixture(scope="module")
+def api_schema(stack: Stack) -> schemathesis.BaseSchema:
+    return schemathesis.openapi.from_url(f"{stack.base_url}/v1/openapi.json")
 
 
 # schemathesis' own pytest plugin (from_fixture) does not run under pytest 9: each operation
@@ -59,3 +68,30 @@ def test_the_api_conforms_to_its_document(
             case.call_and_validate(excluded_checks=[positive_data_acceptance], timeout=10)
 
         conforms()
+
+
+def test_the_files_and_batch_apis_hold_through_their_links(
+    stack: Stack, api_schema: schemathesis.BaseSchema
+) -> None:
+    """A keyed client's sequences of calls, as the document's links chain them: a file
+    uploaded, read, deleted, made a job's input; the job read and cancelled. No answer is a
+    500 or off the document, and a resource made is there until it is deleted."""
+    # Every web process must know the key before the first step: one that does not answers the
+    # Batch API 401, which leaves a link unfed and makes the draws differ between runs.
+    key = keyed_client(stack, "schemathesis-links").api_key
+
+    class Links(api_schema.as_state_machine()):  # type: ignore[misc]
+        def get_call_kwargs(self, case: schemathesis.Case) -> dict[str, Any]:
+            return {"headers": {"Authorization": f"Bearer {key}"}, "timeout": 10}
+
+        def validate_response(
+            self, response: Any, case: schemathesis.Case, additional_checks: Any = None,
+            **kwargs: Any,
+        ) -> None:  # fmt: skip
+            case.validate_response(response, excluded_checks=[positive_data_acceptance],
+                                   transport_kwargs=kwargs)  # fmt: skip
+
+    Links.run(settings=settings(
+        max_examples=LINKED_RUNS, stateful_step_count=LINKED_STEPS, deadline=None,
+        suppress_health_check=list(HealthCheck), derandomize=True, database=None,
+    ))  # fmt: skip

@@ -1,7 +1,8 @@
 """Rate limits per API key against real processes: 429s exactly at the configured limit,
 whatever the number of web processes, with Retry-After, OpenAI's error and the x-ratelimit-*
-headers; a request's items join in one round trip and count once; completion tokens charged
-by the worker refuse the key soon after."""
+headers; a request's items join in one round trip and count once; a key with a tokens limit
+reserves each request's most at admission, so a burst of concurrent requests is served its
+limit and one request's reservation at most, and the tokens used refuse the key soon after."""
 
 from __future__ import annotations
 
@@ -140,17 +141,52 @@ def test_a_request_of_many_items_joins_in_one_round_trip_and_counts_once(limited
     assert statuses == [200, 200, 429]
 
 
-def test_completion_tokens_charged_by_the_worker_refuse_the_key(limited: Stack) -> None:
+def test_a_concurrent_burst_is_served_its_tokens_limit_and_one_reservation_at_most(
+    limited: Stack,
+) -> None:
+    tpm, n, max_tokens, burst = 100, 20, 6, 10
+    key = new_limited_key(limited, "--tpm", str(tpm))
+    fresh_window()
+    client = OpenAI(base_url=f"{limited.base_url}/v1", api_key=key, max_retries=0)
+    model = limited.env["SAMPLING_QUEUE"]
+
+    def ask(index: int) -> int:
+        """The completion tokens served to one request of the burst (0: refused 429)."""
+        try:
+            completion = client.completions.create(
+                model=model, prompt=f"burst {index}", n=n, max_tokens=max_tokens
+            )
+        except openai.RateLimitError:
+            return 0
+        assert completion.usage is not None
+        return completion.usage.completion_tokens
+
+    with ThreadPoolExecutor(burst) as pool:
+        served = list(pool.map(ask, range(burst)))
+    assert any(served)
+    assert sum(served) <= tpm + n * max_tokens, served
+
+
+def test_completion_tokens_used_refuse_the_key(limited: Stack) -> None:
     tpm = 12
     key = new_limited_key(limited, "--tpm", str(tpm))
     fresh_window()
     client = OpenAI(base_url=f"{limited.base_url}/v1", api_key=key, max_retries=0)
     model = limited.env["SAMPLING_QUEUE"]
     spent = 0
-    while spent < tpm:  # each completion's tokens are charged once its batch finishes
-        completion = client.completions.create(model=model, prompt="E equals ", max_tokens=5)
+
+    def served() -> int:
+        """A completion's tokens; 0 for a refusal that another process's view, read while
+        an earlier request's reservation was in flight, still holds (for a key poll at most)."""
+        try:
+            completion = client.completions.create(model=model, prompt="E equals ", max_tokens=5)
+        except openai.RateLimitError:
+            return 0
         assert completion.usage is not None
-        spent += completion.usage.completion_tokens
+        return completion.usage.completion_tokens
+
+    while spent < tpm:  # each completion's tokens are charged once it is answered
+        spent += wait_until(served, 2 * access.POLL_INTERVAL_S + 1, "a completion served")
     assert spent >= tpm
 
     def refused_through_a_poll() -> float | None:
@@ -173,7 +209,7 @@ def test_completion_tokens_charged_by_the_worker_refuse_the_key(limited: Stack) 
     assert reply.headers["x-ratelimit-limit-tokens"] == str(tpm)
     assert reply.headers["x-ratelimit-remaining-tokens"] == "0"
     assert "completion tokens" in reply.body
-    # The charges are the tokens the worker counted, in the window's hash.
+    # The window's hash holds the tokens the requests used, their reservations settled.
     charged = redis.Redis.from_url(limited.env["REDIS_URL"]).hget(
         access.KEYS.tokens(ratelimit.window_of(time.time())), str(_key_id(limited, key))
     )

@@ -97,9 +97,16 @@ def test_an_identical_request_is_answered_from_the_cache_exactly(cached: Stack) 
     raw = client.completions.with_raw_response.create(**settings)  # type: ignore[call-overload]
     assert raw.headers["x-cache"] == "miss"
     sampled = raw.parse()
-    raw = client.completions.with_raw_response.create(**settings)  # type: ignore[call-overload]
-    assert raw.headers["x-cache"] == "hit"
-    hit = raw.parse()
+    raws = []  # the entry lands just after the answer: a request may come in between
+
+    def stored_seeded() -> bool:
+        raws.append(client.completions.with_raw_response.create(**settings))  # type: ignore[call-overload]
+        return bool(raws[-1].headers["x-cache"] == "hit")
+
+    wait_until(stored_seeded, 5, "the seeded entry stored")
+    # A seeded request sampled again before its entry landed gets the same text.
+    assert {raw.parse().choices[0].text for raw in raws} == {sampled.choices[0].text}
+    hit = raws[-1].parse()
     assert [c.text for c in hit.choices] == [c.text for c in sampled.choices]
     assert [c.finish_reason for c in hit.choices] == [c.finish_reason for c in sampled.choices]
     # The same tokens, the hit's prompt reported as cached (OpenAI's cached_tokens).
@@ -120,7 +127,7 @@ def test_an_identical_request_is_answered_from_the_cache_exactly(cached: Stack) 
         reply = client.completions.with_raw_response.create(**unseeded)  # type: ignore[call-overload]
         assert "x-cache" not in reply.headers
 
-    hits, misses = 1 + 4 + 1, 1 + (len(until_stored) - 1) + 1 + 1 + 1
+    hits, misses = 1 + 4 + 1, 1 + (len(until_stored) - 1) + 1 + 1 + (len(raws) - 1) + 1
     after = lookups(cached)
     assert after.get("hit", 0) - before.get("hit", 0) == hits
     assert after.get("miss", 0) - before.get("miss", 0) == misses
@@ -140,6 +147,19 @@ def completion(stack: Stack, prompt: str, key: str | None = None) -> tuple[str, 
     if reply.status != 200:
         return str(reply.status), reply.body
     return reply.headers["x-cache"], json.loads(reply.body)["choices"][0]["text"]
+
+
+def until_hit(stack: Stack, prompt: str, key: str) -> None:
+    """Ask `prompt` with `key` until a hit: an entry lands just after its answer, so a request
+    that comes in between is a miss, sampled again; anything else fails."""
+    seen: list[str] = []
+
+    def hit() -> bool:
+        seen.append(completion(stack, prompt, key)[0])
+        return seen[-1] == "hit"
+
+    wait_until(hit, 5, "the key's entry stored")
+    assert set(seen[:-1]) <= {"miss"}, seen
 
 
 def known_key(stack: Stack) -> str:
@@ -165,18 +185,24 @@ def test_another_keys_identical_request_is_a_miss_unless_the_policy_shares(
     key_a, key_b = (known_key(cached) for _ in range(2))
     prompt = f"E equals {uuid.uuid4().hex[:8]} "
     assert completion(cached, prompt, key_a)[0] == "miss"
-    assert completion(cached, prompt, key_a)[0] == "hit"
+    until_hit(cached, prompt, key_a)
     # Key B learns nothing of what key A asked: its own entry, sampled for it.
     assert completion(cached, prompt, key_b)[0] == "miss"
-    assert completion(cached, prompt, key_b)[0] == "hit"
+    until_hit(cached, prompt, key_b)
     assert completion(cached, prompt)[0] == "miss"  # anonymous requests are a scope of their own
     # Shared by the policy: one key's request is answered from another's.
     version = save_policy(cached, admin, response_cache_shared="on")
     try:
         wait_until(lambda: workers_report(cached, version), 10, "the workers' new policy")
-        shared = f"E equals {uuid.uuid4().hex[:8]} "
-        wait_until(lambda: completion(cached, shared, key_a)[0] == "hit", 5, "key A's entry")
-        assert completion(cached, shared, key_b)[0] == "hit"
+
+        def answered_from_key_as_entry() -> bool:
+            # Each web process reloads the policy on its own: until both have, key B's request
+            # may look under the old version. A fresh prompt a try keeps key B's scope empty.
+            shared = f"E equals {uuid.uuid4().hex[:8]} "
+            until_hit(cached, shared, key_a)
+            return completion(cached, shared, key_b)[0] == "hit"
+
+        wait_until(answered_from_key_as_entry, 10, "key B answered from key A's entry")
     finally:
         delete_policy(cached, admin)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import time
 import uuid
 from collections.abc import Callable
@@ -157,30 +158,39 @@ def test_deadline_shorter_than_a_call_gives_504_and_never_reaches_the_sampler(
         gpus=[],
     )
     prompts = [f"too late {i} {uuid.uuid4().hex[:6]}" for i in range(20)]
+    expired_before = sum(int(r["expired"]) for r in batch_records(probe))
     with ThreadPoolExecutor(max_workers=20) as pool:
         # A first burst warms the new node's processes (their first requests load what a
         # request needs, tens of ms on a slow machine, during which the others wait in the
         # kernel: such a wait counts, and may get a request shed with a 503): only the second
         # is timed.
         warm_up = [f"warm-up {i} {uuid.uuid4().hex[:6]}" for i in range(20)]
-        statuses = {r.status for r in pool.map(lambda p: sample(hasty.base_url, p), warm_up)}
-        assert statuses <= {503, 504}, statuses
+        warm_replies = list(pool.map(lambda p: sample(hasty.base_url, p), warm_up))
+        assert {r.status for r in warm_replies} <= {503, 504}, warm_replies
         replies = list(pool.map(lambda p: sample(hasty.base_url, p), prompts))
-    assert [r.status for r in replies] == [504] * len(replies), [r.body for r in replies]
+    # Each is a 504, or a fast 503 where this node refused it at once: it waited in the kernel
+    # past the 80 ms less the least work a request needs (a busy machine), or admission
+    # predicted a wait past 80 ms. Never an answer, never later than its deadline.
+    late = [r for r in replies if r.status == 504]
+    refused = [r for r in replies if r.status != 504]
+    assert late, [(r.status, r.body) for r in replies]
+    reasons = ("overloaded: the request waited", "overloaded: predicted")
+    assert all(r.status == 503 and r.body.startswith(reasons) for r in refused), refused
     # Seen by the client: 20 connections opened at once on 2 shared cores reach the view one
     # after another, so the last ones start their deadline some ms after the client's timer.
     seconds = sorted(r.seconds for r in replies)
     assert seconds[len(seconds) // 2] < deadline_s + 0.040, seconds
     assert seconds[-1] < deadline_s + 0.080, seconds
-    # The worker has dropped them: wait until it has sealed every batch, then look.
+    # The worker has dropped every 504's item: wait until it has sealed their batches, then look.
     client = redis.Redis.from_url(probe.env["REDIS_URL"])
+    dropped = expired_before + sum(r.status == 504 for r in warm_replies) + len(late)
     wait_until(
-        lambda: sum(int(r["expired"]) for r in batch_records(probe)) >= len(prompts),
+        lambda: sum(int(r["expired"]) for r in batch_records(probe)) >= dropped,
         5,
         "every late prompt's batch sealed and dropped",
     )
     seen = {raw.decode() for raw in client.lrange(seen_key(probe.env["SAMPLING_QUEUE"]), 0, -1)}
-    assert seen.isdisjoint(prompts)
+    assert seen.isdisjoint(prompts + warm_up)
     # the probe itself still works with the normal deadline
     assert sample(probe.base_url, "E equals ").body == "MC squared"
 
@@ -240,8 +250,11 @@ def test_a_batch_whose_task_cannot_be_sent_is_closed_and_answered_at_once(
     for reply in burst + one_by_one:
         assert reply.status == 503, reply.body
         assert reply.headers["retry-after"] == "1"
-        assert "batch queue unavailable" in reply.body
-        assert reply.seconds < deadline_s * 0.9, reply.seconds  # refused, not timed out
+        assert "batch queue unavailable" in reply.body  # refused: a timeout is a 504
+    # Answered at once, not at the deadline: one by one each, and the burst's middle (20
+    # dispatches that fail share the broker's connection pool, on a machine that may be busy).
+    assert max(reply.seconds for reply in one_by_one) < deadline_s * 0.9, one_by_one
+    assert statistics.median(reply.seconds for reply in burst) < deadline_s * 0.9, burst
     client = redis.Redis.from_url(stack.env["REDIS_URL"])
     keys = ShardKeys(stack.env["SAMPLING_QUEUE"])  # the one shard's tag is the queue's
     assert client.get(keys.open_batch) is None

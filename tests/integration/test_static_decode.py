@@ -5,6 +5,7 @@ graphs themselves need a GPU: tests/gpu."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import sys
@@ -285,3 +286,35 @@ def test_the_model_benchmark_builds_an_architecture_with_random_weights() -> Non
     assert "prompts of 20 to 20 tokens" in output
     [_, row] = table_rows(output)
     assert row[0] == "1"
+
+
+def cut_call(sampler: HFSampler, cut: bool) -> tuple[int, list[Completion | PromptRejected], int]:
+    """A call of 100 rows: 10 of up to 4 new tokens, 90 streams of up to 8 whose clients
+    leave at their first text when `cut`. Its decode steps, its answers, and the last step at
+    which a cut stream first had text (what its cut waits for)."""
+    live = [Row(f"{PROMPTS[i]} live", RowSettings(max_tokens=4)) for i in range(10)]
+    streams = [Row(f"{PROMPTS[i % 37]} cut {i}", RowSettings(max_tokens=8), stream=True)
+               for i in range(90)]  # fmt: skip
+    first_text: dict[int, int] = {}
+
+    def sink(row: int, text: str, tokens: tuple[int, int] | None = None) -> bool:
+        assert tokens is not None
+        first_text.setdefault(row, tokens[1])
+        return cut
+
+    answers = sampler.batched_complete(live + streams, sink=sink)
+    return sampler.last_steps, answers, max(first_text.values(), default=0)
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_a_call_whose_streams_were_cut_ends_with_its_live_rows(tiny: HFSampler, path: str) -> None:
+    """90 of 100 rows cut after their first text: the call runs the steps its 10 live rows
+    need (or until the last cut stream's first text), not the cut rows' 8. The decode steps
+    are counted, not timed."""
+    with static_path(tiny) if path == "static" else contextlib.nullcontext():
+        whole, answers, _ = cut_call(tiny, cut=False)
+        steps, cut_answers, last_first_text = cut_call(tiny, cut=True)
+    live_steps = max(a.completion_tokens for a in answers[:10] if isinstance(a, Completion))
+    assert whole == 8  # random weights: no row ends before its max tokens
+    assert steps == max(live_steps, last_first_text) < whole
+    assert cut_answers[:10] == answers[:10]  # the live rows' answers are what they were

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def live_redis(settings: object, redis_url: str) -> Iterator[redis.Redis]:
-    settings.REDIS_URL = redis_url  # type: ignore[attr-defined]
+    # The web client reads SAMPLING_REDIS_URL: without it the test used whatever served 6379.
+    settings.REDIS_URL = settings.SAMPLING_REDIS_URL = redis_url  # type: ignore[attr-defined]
     web_redis.forget_clients()
     yield web_redis.redis_client()
     web_redis.forget_clients()

@@ -213,6 +213,35 @@ def test_a_seal_refreshes_admission_with_the_sealers_figures(
     assert not another_process(aggregator).append("p", 500).rejected  # 4 workers: in time
 
 
+def test_a_seal_records_when_its_call_ends_and_admission_counts_from_it(
+    aggregator: BatchAggregator, redis_client: redis.Redis
+) -> None:
+    backlog = another_process(aggregator, max_batch_size=1)
+    tickets = [joined(backlog, 500) for _ in range(3)]
+    inputs = AdmissionInputs(workers=1, turn_ms=100)
+    now = redis_ms(redis_client)
+    aggregator.seal(tickets[0].batch_id, inputs, now_ms=now)
+    ends = aggregator.shards[0].call_ends
+    assert redis_client.zrange(ends, 0, -1, withscores=True) == [
+        (tickets[0].batch_id.encode(), now + 100)
+    ]
+    # Two batches ahead; the call just sealed has a whole turn to go: the worst case.
+    assert aggregator.refresh_admission(inputs, now_ms=now) == [admission.predicted_ms(2, 1, 100)]
+    # 70 ms later it ends in 30 ms: the newcomer's batch finishes a margin after that, then
+    # the batch ahead's call and its own.
+    later = aggregator.refresh_admission(inputs, now_ms=now + 70)
+    assert later == [round(admission.predicted_ms(2, 1, 100, frees=[30]) or 0)]
+    assert later[0] < admission.predicted_ms(2, 1, 100)  # type: ignore[operator]
+    # A seal that takes nothing (its batch sealed already) starts no call: nothing recorded.
+    aggregator.seal(tickets[0].batch_id, inputs, now_ms=now + 80)
+    assert redis_client.zcard(ends) == 1
+    # The next call's end replaces it: one worker, one running call.
+    aggregator.seal(tickets[1].batch_id, inputs, now_ms=now + 100)
+    assert redis_client.zrange(ends, 0, -1, withscores=True) == [
+        (tickets[1].batch_id.encode(), now + 200)
+    ]
+
+
 def test_shards_spread_requests_and_keep_their_own_batches(redis_client: redis.Redis) -> None:
     sharded = BatchAggregator(redis_client, unique_queue("shards"), shards=3)
     tickets = [sharded.append(f"p{i}", 500) for i in range(9)]

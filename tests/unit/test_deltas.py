@@ -37,12 +37,17 @@ def test_an_item_says_whether_it_streams(
 
 
 def test_a_delta_message_round_trips_and_is_told_from_an_answer() -> None:
-    deltas = {0: (0, " naïve"), 17: (12, " 東京 🚀")}
+    deltas = {0: Delta(0, " naïve", 7, 2), 17: Delta(12, " 東京 🚀")}
     message = delta_message("b-1", deltas)
     task_id, _, payload = message.partition(b" ")
     assert task_id == b"b-1"
     assert is_delta(payload)
     assert parse_deltas(payload) == deltas
+    # An older worker's message: the text alone, its tokens not counted.
+    assert parse_deltas(b'delta {"3": [4, "text"]}') == {3: Delta(4, "text")}
+    # One that is no delta message is none (its items' answers bring their text).
+    for broken in (b"delta [1]", b'delta {"3": [4]}', b'delta {"x": [4, "a"]}', b"delta {"):
+        assert parse_deltas(broken) == {}
     assert not is_delta(b'{"status": "SUCCESS"}')
 
 
@@ -73,19 +78,22 @@ def test_the_publisher_coalesces_a_calls_text_into_a_message_per_interval(
     started = time.monotonic()
     # Rows 0 and 1 of the call are the batch's items 5 and 2.
     with DeltaPublisher(redis_client, batch_id, [5, 2], interval_ms=20) as publisher:
-        for word in words:
-            publisher.sink(0, word)
+        for count, word in enumerate(words, 1):
+            publisher.sink(0, word, (3, count))  # row 0's sampler counts its tokens
             publisher.sink(1, word.upper())
             time.sleep(0.002)  # duration: a sampler's pace, one token every 2 ms (the input)
     elapsed_ms = (time.monotonic() - started) * 1000
     messages = _received(pubsub, publisher.published)
     for item, text in ((5, "".join(words)), (2, "".join(words).upper())):
         pieces = [m[item] for m in messages if item in m]
-        assert "".join(piece for _, piece in pieces) == text
+        assert "".join(piece.text for piece in pieces) == text
         # Each piece says where it goes: after all the item's text before it.
-        assert [offset for offset, _ in pieces] == list(
-            itertools.accumulate([len(piece) for _, piece in pieces[:-1]], initial=0)
+        assert [piece.offset for piece in pieces] == list(
+            itertools.accumulate([len(piece.text) for piece in pieces[:-1]], initial=0)
         )
+    counted = [m[5] for m in messages if 5 in m]
+    assert (counted[-1].prompt_tokens, counted[-1].completion_tokens) == (3, len(words))
+    assert all(m[2].completion_tokens is None for m in messages if 2 in m)
     # One message per interval at most (and one at the end), whatever the rows and tokens.
     assert pubsub.get_message(timeout=0.1) is None  # and no other
     assert 2 <= len(messages) <= elapsed_ms / 20 + 2
@@ -147,6 +155,7 @@ def test_a_call_that_ends_while_redis_is_slow_waits_for_its_deltas_a_bounded_tim
         waited_s = time.monotonic() - began
         # Bounded by the wait and a thread's scheduling on a busy machine, not by the pause.
         assert waited_s < EXIT_WAIT_S + (PAUSE_MS / 1000 - EXIT_WAIT_S) / 2, waited_s
+        publisher._thread.join(timeout=10)  # its last publish, once Redis answers: not a leak
     finally:
         server.stop()
 
@@ -155,6 +164,10 @@ def test_a_publisher_that_cannot_publish_never_fails_the_call() -> None:
     unreachable = redis.Redis(port=1, socket_connect_timeout=0.2)
     with DeltaPublisher(unreachable, "b-x", [0], interval_ms=5) as publisher:
         publisher.sink(0, "lost")
+    # Its thread may outlive the call by its last try: done before the next test, whose logs
+    # it would write into.
+    publisher._thread.join(timeout=10)
+    assert not publisher._thread.is_alive()
     assert publisher.published == 0
 
 
@@ -169,10 +182,10 @@ def test_a_feed_hands_over_deltas_in_order_and_its_batches_answers() -> None:
     feed = Feed()
     wait = feed.waits["b-1"] = _Wait()
     assert not feed.wait(0.01)
-    feed.add("b-1", {0: (0, "one")})
-    feed.add("b-1", {0: (3, " two")})
+    feed.add("b-1", {0: Delta(0, "one")})
+    feed.add("b-1", {0: Delta(3, " two")})
     assert feed.wait(0)
-    assert feed.take() == [("b-1", {0: (0, "one")}), ("b-1", {0: (3, " two")})]
+    assert feed.take() == [("b-1", {0: Delta(0, "one")}), ("b-1", {0: Delta(3, " two")})]
     assert not feed.event.is_set()
     assert feed.answers("b-1") is None
     wait.meta = {"status": "SUCCESS"}

@@ -13,6 +13,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from batching import access, stats
+from batching.budgets import Budgets
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
@@ -34,7 +35,8 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def live_redis(settings: object, redis_url: str) -> Iterator[redis.Redis]:
-    settings.REDIS_URL = redis_url  # type: ignore[attr-defined]
+    # The web client reads SAMPLING_REDIS_URL: without it the test used whatever served 6379.
+    settings.REDIS_URL = settings.SAMPLING_REDIS_URL = redis_url  # type: ignore[attr-defined]
     web_redis.forget_clients()
     yield web_redis.redis_client()
     web_redis.forget_clients()
@@ -272,3 +274,52 @@ def test_last_use_is_copied_in_a_few_queries_and_deleted_keys_are_dropped(
         assert housekeeping.record_last_used(live_redis) == 0  # nothing newer
     finally:
         live_redis.hdel(access.KEYS.last_used, *[str(i) for i in ids])
+
+
+def test_spend_and_month_totals_are_the_same_after_redis_lost_its_data(
+    live_redis: redis.Redis,
+) -> None:
+    """Spend persisted, then Redis restarted empty: the persisted minute keeps its spend once
+    it is written again, and the month's total that budgets read is rebuilt from the rows."""
+    queue = unique_queue("spent")
+    key, other = _key("spent"), _key("spent-too")
+    now = float(live_redis.time()[0])
+    in_minute = (int(now) // 60 - 2) * 60 + 30
+    recorder = stats.RequestStats(queue)
+    recorder.record_usage(key.pk, 5, 3, 0, now=in_minute, spend_nanos=700)
+    recorder.record_usage(other.pk, 1, 1, 0, now=in_minute, spend_nanos=40)
+    recorder.flush(live_redis)
+    housekeeping.persist_minutes(live_redis, queue, now)
+    budgets = Budgets(live_redis)
+    budgets.refresh({key.pk: 10**6, other.pk: 10**6}, [queue], now_s=now)
+    before = dict(budgets.spent)
+    assert before == {key.pk: 700, other.pk: 40}
+    for name in live_redis.scan_iter(f"{QueueKeys(queue).tag}:*"):  # Redis restarted empty
+        live_redis.delete(name)
+    recorder.record_usage(key.pk, 1, 1, 0, now=now, spend_nanos=5)  # spent since the restart
+    recorder.flush(live_redis)
+    housekeeping.persist_minutes(live_redis, queue, now)
+    housekeeping.persist_minutes(live_redis, queue, now)  # again: nothing added twice
+    assert UsageMinute.objects.get(queue=queue, key=key).spend_nanos == 700
+    budgets.refresh({key.pk: 10**6, other.pk: 10**6}, [queue], now_s=now)
+    assert budgets.spent == {key.pk: 705, other.pk: 40}
+
+
+def test_a_marker_that_expired_in_an_intact_redis_rebuilds_nothing(
+    live_redis: redis.Redis,
+) -> None:
+    """Housekeeping stopped for over two hours with Redis kept: the marker expired, but the
+    epoch written while it was there says the month's totals are whole."""
+    queue = unique_queue("idle")
+    key = _key("idle")
+    now = float(live_redis.time()[0])
+    recorder = stats.RequestStats(queue)
+    recorder.record_usage(key.pk, 5, 3, 0, now=(int(now) // 60 - 2) * 60 + 30, spend_nanos=70)
+    recorder.flush(live_redis)
+    housekeeping.persist_minutes(live_redis, queue, now)
+    housekeeping.persist_minutes(live_redis, queue, now)  # the marker there: the epoch too
+    live_redis.delete(QueueKeys(queue).persisted_minute)
+    housekeeping.persist_minutes(live_redis, queue, now)
+    budgets = Budgets(live_redis)
+    budgets.refresh({key.pk: 10**6}, [queue], now_s=now)
+    assert budgets.spent == {key.pk: 70}

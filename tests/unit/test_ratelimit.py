@@ -1,8 +1,9 @@
 """Rate limits: the request counter raised by the append's own MULTI, a process's refusals
-from what it read, the x-ratelimit-* headers, and the workers' token charges (real Redis)."""
+from what it read, the x-ratelimit-* headers, and the tokens reserved and settled (real Redis)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import redis
@@ -10,9 +11,14 @@ import redis
 from batching import ratelimit
 from batching.access import Caller
 from batching.aggregator import BatchAggregator
+from batching.answers import Answer
+from batching.catalog import Price
 from batching.generation import SampleRequest
 from batching.keys import AccessKeys
+from batching.outcomes import ItemOutcome
 from batching.ratelimit import RateCounter
+from batching.stats import RequestStats
+from sampling.submission import Answers, charge
 from tests.support import unique_queue
 
 WINDOW_START = 1_000 * ratelimit.WINDOW_S  # a window's first second
@@ -84,23 +90,70 @@ def test_the_counter_expiry_is_set_once_per_window_per_process(
     assert limiter.needs_expiry(limited, WINDOW_START + ratelimit.WINDOW_S) > 0
 
 
-def test_token_charges_refuse_the_key_once_read(redis_client: redis.Redis) -> None:
+def test_tokens_are_reserved_at_admission_and_settled_to_what_was_used(
+    redis_client: redis.Redis,
+) -> None:
+    """A key with a tokens limit reserves each request's most; a request is refused once the
+    window's tokens reached the limit, so requests in flight overrun it by one reservation at
+    most; each settles to what it used, and another process refuses once it has read them."""
     keys = AccessKeys(scope=f"test-{uuid.uuid4().hex[:8]}")
     limiter = ratelimit.RateLimiter(redis_client, keys)
+    other = ratelimit.RateLimiter(redis_client, keys)
     limited = caller(tpm=100)
     now = WINDOW_START + 1
-    with redis_client.pipeline(transaction=False) as pipe:
-        ratelimit.queue_token_charges(pipe, {42: 60, 0: 5, 43: 0}, now, keys)
-        ratelimit.queue_token_charges(pipe, {42: 40}, now, keys)
-        pipe.execute()
-    assert limiter.check(limited, now) is None  # not read yet
-    limiter.refresh_tokens(now)
-    refusal = limiter.check(limited, now)
-    assert refusal is not None
+    held = [limiter.reserve(limited, 40, now) for _ in range(4)]
+    assert [isinstance(r, ratelimit.Reservation) for r in held] == [True, True, True, False]
+    refusal = held[3]
+    assert isinstance(refusal, ratelimit.Limited)
     assert refusal.kind == "tokens"
-    assert limiter.headers(limited, now)["x-ratelimit-remaining-tokens"] == "0"
-    charges = redis_client.hgetall(keys.tokens(ratelimit.window_of(now)))
-    assert charges == {b"42": b"100", b"0": b"5"}
+    window = keys.tokens(ratelimit.window_of(now))
+    assert redis_client.hget(window, "42") == b"120"  # the limit and one reservation over
+    first, second, _, _ = held
+    assert isinstance(first, ratelimit.Reservation)
+    assert isinstance(second, ratelimit.Reservation)
+    first.settle(10)
+    second.settle(0)  # it failed: nothing used
+    second.settle(40)  # once only
+    assert redis_client.hget(window, "42") == b"50"
+    assert limiter.check(limited, now) is None
+    assert other.check(limited, now) is None  # not read yet
+    assert isinstance(limiter.reserve(limited, 60, now), ratelimit.Reservation)
+    other.refresh_tokens(now)
+    assert other.check(limited, now) is not None
+    assert other.headers(limited, now)["x-ratelimit-remaining-tokens"] == "0"
+    assert limiter.reserve(caller(), 40, now) is None  # no tokens limit: nothing reserved
+
+
+def test_a_settle_after_its_window_is_gone_changes_nothing(redis_client: redis.Redis) -> None:
+    """A request longer than its window's counts live (or Redis lost them): settling leaves no
+    count behind, negative or without a TTL; and a count never goes below 0."""
+    keys = AccessKeys(scope=f"test-{uuid.uuid4().hex[:8]}")
+    limiter = ratelimit.RateLimiter(redis_client, keys)
+    now = WINDOW_START + 1
+    window = keys.tokens(ratelimit.window_of(now))
+    late = limiter.reserve(caller(tpm=1000), 500, now)
+    assert isinstance(late, ratelimit.Reservation)
+    redis_client.delete(window)
+    late.settle(0)
+    assert not redis_client.exists(window)
+    kept = limiter.reserve(caller(tpm=1000), 10, now)
+    assert isinstance(kept, ratelimit.Reservation)
+    redis_client.hset(window, "42", 3)  # less than it reserved: counted elsewhere meanwhile
+    kept.settle(0)
+    assert redis_client.hget(window, "42") == b"0"
+
+
+def test_answers_without_counts_keep_their_reservation(redis_client: redis.Redis) -> None:
+    """An anonymous /sample answer carries its text alone: its reservation stays whole, as the
+    tokens it may have used, instead of settling to none."""
+    keys = AccessKeys(scope=f"test-{uuid.uuid4().hex[:8]}")
+    limiter = ratelimit.RateLimiter(redis_client, keys)
+    anonymous = Caller(0, "anonymous", "anonymous", 0, 0, 100)
+    answers = Answers([Answer(ItemOutcome.OK, "the text alone")])
+    answers.reservation = limiter.reserve(anonymous, 32)  # type: ignore[assignment]
+    charge(RequestStats("q"), anonymous, answers, Price())
+    window = keys.tokens(ratelimit.window_of(time.time()))
+    assert redis_client.hget(window, "0") == b"32"
 
 
 def test_a_request_counts_once_or_per_item_as_the_operator_chooses(

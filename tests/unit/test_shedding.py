@@ -10,6 +10,8 @@ import gevent.socket
 import pytest
 
 from sampling.shedding import (
+    CUT_SHARE,
+    LEAST_IN_FLIGHT,
     MAX_HEADER_SKEW_S,
     MIN_WORK_MS,
     Shedder,
@@ -56,6 +58,41 @@ def test_a_request_that_waited_its_deadline_or_one_too_many_is_refused() -> None
     assert shedder.refusal(late, deadline_ms) == ShedReason.LATE
     shedder.in_flight = 2
     assert shedder.refusal(now, deadline_ms) == ShedReason.IN_FLIGHT
+
+
+def test_late_answers_of_a_busy_process_cut_its_in_flight_limit_and_on_time_ones_restore_it() -> (
+    None
+):
+    shedder = Shedder(max_in_flight=1000)
+    now = time.monotonic()
+    shedder.in_flight = 400
+    shedder.timed_out(now)
+    shedder.adapt()
+    assert shedder.limit == pytest.approx(400 * CUT_SHARE)
+    assert shedder.refusal(time.monotonic(), 500) == ShedReason.IN_FLIGHT
+    # A 504 of a request admitted before the cut says nothing of the limit since.
+    shedder.timed_out(now)
+    shedder.adapt()
+    assert shedder.limit > 400 * CUT_SHARE
+    # Windows without one give the limit back, up to WEB_MAX_IN_FLIGHT.
+    for _ in range(1000):
+        shedder.adapt()
+    assert shedder.limit == 1000
+    shedder.in_flight = 0
+    assert shedder.refusal(time.monotonic(), 500) is None
+
+
+def test_a_504_of_a_process_that_holds_few_requests_cuts_nothing() -> None:
+    shedder = Shedder(max_in_flight=1000)
+    shedder.in_flight = LEAST_IN_FLIGHT - 1  # a stalled GPU's 504s, not this process's load
+    shedder.timed_out(time.monotonic())
+    shedder.adapt()
+    assert shedder.limit == 1000
+    shedder.in_flight = LEAST_IN_FLIGHT
+    for _ in range(50):  # a busy process's 504s, window after window: never under the least
+        shedder.timed_out(time.monotonic())
+        shedder.adapt()
+    assert shedder.limit == LEAST_IN_FLIGHT
 
 
 @pytest.fixture(params=["stdlib", "gevent"])

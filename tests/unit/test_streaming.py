@@ -77,7 +77,7 @@ def test_the_simulated_sampler_spreads_a_streaming_row_over_its_call() -> None:
             Row("third prompt", settings, stream=True)]  # fmt: skip
     seen: list[tuple[float, int, str]] = []
     started = time.perf_counter()
-    answers = sampler.batched_complete(rows, lambda row, text: seen.append(
+    answers = sampler.batched_complete(rows, lambda row, text, *_: seen.append(
         (time.perf_counter() - started, row, text)))  # fmt: skip
     took_s = time.perf_counter() - started
     assert took_s >= 0.1
@@ -103,7 +103,7 @@ def test_a_sampler_that_cannot_stream_answers_as_before_and_streams_nothing() ->
     sampler = Unstreamed()
     rows = [Row("one", RowSettings.of(sampler.generation), stream=True)]
     seen: list[tuple[int, str]] = []
-    assert sampler.batched_complete(rows, lambda row, text: seen.append((row, text))) == (
+    assert sampler.batched_complete(rows, lambda row, text, *_: seen.append((row, text))) == (
         sampler.batched_complete(rows)
     )
     assert seen == []
@@ -122,6 +122,6 @@ def test_a_streaming_call_of_the_simulated_sampler_goes_through_its_sample_hooks
     sampler = RejectingBad(batch_ms=20)
     settings = sampler.row_settings()
     rows = [Row("good", settings, stream=True), Row("bad", settings, stream=True)]
-    answers = sampler.batched_complete(rows, lambda row, text: None)
+    answers = sampler.batched_complete(rows, lambda row, text, *_: None)
     assert isinstance(answers[0], Completion)
     assert isinstance(answers[1], PromptRejected)

@@ -12,10 +12,13 @@ from workers.samplers.base import MAX_BATCH, GenerationSettings, PromptRejected,
 
 
 def _simulated() -> Sampler:
+    from batching.call_cost import load_profile
     from workers.samplers.simulated import SimulatedSampler
 
     return SimulatedSampler(
-        batch_ms=settings.SIMULATED_BATCH_MS, extra_words=settings.SIMULATED_EXTRA_WORDS
+        batch_ms=settings.SIMULATED_BATCH_MS,
+        extra_words=settings.SIMULATED_EXTRA_WORDS,
+        cost=load_profile(settings.SIMULATED_COST, settings.SIMULATED_BATCH_MS),
     )
 
 

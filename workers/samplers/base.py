@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import time
 
+from batching.call_cost import CostProfile
 from batching.generation import (
     Completion,
     FinishReason,
@@ -62,6 +63,9 @@ class Sampler(abc.ABC):
     name: str = "sampler"
     #: the settings the next call uses; a sampler without generation settings ignores them
     generation: GenerationSettings = GenerationSettings()
+    #: what its calls cost by their shape (batching.call_cost); None: the same whatever
+    #: their shape, as the contract says (the worker keeps one running mean)
+    cost_profile: CostProfile | None = None
 
     def configure(self, generation: GenerationSettings) -> None:
         """Use `generation` from the next call on (the worker calls it between calls when the

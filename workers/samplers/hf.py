@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any
 
+from batching.call_cost import load_profile
 from batching.generation import Completion, FinishReason, Row, cut_at_stop
 from workers.samplers.base import GenerationSettings, PromptRejected, Sampler, StreamSink
 from workers.samplers.hf_source import (
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # Used only when neither the model's config nor its tokenizer states a context length.
 FALLBACK_CONTEXT_TOKENS = 2048
+# The cost profile the worker predicts calls with, unless SAMPLING_COST_PROFILE names another.
+DEFAULT_COST_PROFILE = "h100-graphs-135m"
 
 
 # SAMPLING_CUDA_GRAPHS: `auto` captures on a CUDA device and falls back to eager `generate`
@@ -82,6 +85,10 @@ class HFSampler(Sampler):
         self.graph_prompt_tokens = graph_prompt_tokens
         self.decoder: StaticDecoder | None = None
         self._eager_noted = False
+        # A real GPU's curve (SAMPLING_COST_PROFILE names this GPU's own): calls grow with
+        # their rows and steps, and fall off the graphs past their positions.
+        self.cost_profile = load_profile(DEFAULT_COST_PROFILE, 0.0)
+        self.last_steps = 0  # the decode steps the last call ran
         self.source = ModelSource(model) if preloaded else resolve_model(model)
         self.device = choose_device(device)
         self.dtype = choose_dtype(self.device, dtype)
@@ -301,7 +308,8 @@ class HFSampler(Sampler):
         ends = RowEnds(settings, prompt_length, self.tokenizer, self._eos_ids)
         streaming = {p: i for p, i in enumerate(accepted) if rows[i].stream}
         if sink is not None and streaming:
-            ends.streams = RowStreams(streaming, settings, self.tokenizer, self._eos_ids, sink)
+            ends.streams = RowStreams(streaming, settings, self.tokenizer, self._eos_ids, sink,
+                                      [len(ids) for ids in prompts])  # fmt: skip
         sampling = RowSampling(settings, self.device)
         max_new_tokens = max(row.max_tokens for row in settings)
         decoder = self.decoder
@@ -311,6 +319,7 @@ class HFSampler(Sampler):
             if decoder is not None:
                 self._note_eager(prompt_length, decoder)
             new_tokens = self._generate_eagerly(prompts, sampling, ends, max_new_tokens)
+        self.last_steps = ends.steps
         for position, index in enumerate(accepted):
             kept, reason = ends.kept(position, new_tokens[position])
             text = self.tokenizer.decode(kept, skip_special_tokens=True)

@@ -96,6 +96,7 @@ class RowEnds(StoppingCriteria):
         longest_stop = max((len(stop) for row in settings for stop in row.stop), default=0)
         self.stop_window = longest_stop + STOP_WINDOW_SLACK if longest_stop else 0
         self.streams: RowStreams | None = None  # the streaming rows' text, step by step
+        self.steps = 0  # decode steps observed: the call's, once it ends
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> Any:
         self.observe(input_ids)
@@ -122,8 +123,10 @@ class RowEnds(StoppingCriteria):
                 self.ended[row] = (generated, FinishReason.STOP)
             elif generated >= settings.max_tokens:
                 self.ended[row] = (generated, FinishReason.LENGTH)
+        self.steps = generated
         if self.streams is not None:
-            self.streams.step(last, self.ended, generated)
+            for row in self.streams.step(last, self.ended, generated):  # their clients left
+                self.ended[row] = (generated, FinishReason.LENGTH)
         return all(end is not None for end in self.ended)
 
     def _has_stop(self, recent: list[int], settings: RowSettings) -> bool:
@@ -170,8 +173,11 @@ class RowStreams:
         tokenizer: Any,
         eos_ids: frozenset[int],
         sink: StreamSink,
+        prompt_tokens: list[int] | None = None,
     ) -> None:
-        """`positions`: the call's row (in `settings`) -> the index `sink` is told."""
+        """`positions`: the call's row (in `settings`) -> the index `sink` is told;
+        `prompt_tokens`: each row's prompt's tokens (told with its text)."""
+        self.prompt_tokens = prompt_tokens or [0] * len(settings)
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.sink = sink
@@ -182,9 +188,11 @@ class RowStreams:
 
     def step(
         self, last: list[int], ended: list[tuple[int, FinishReason] | None], generated: int
-    ) -> None:
+    ) -> list[int]:
         """Take this step's token of every streaming row still going (`ended`: as RowEnds
-        noted it, this step included); `generated` tokens so far."""
+        noted it, this step included); `generated` tokens so far. Returns the rows whose
+        client left (the sink said so): they decode no more."""
+        left: list[int] = []
         for row, stream in self.rows.items():
             if stream.done:
                 continue
@@ -197,8 +205,11 @@ class RowStreams:
                 continue
             stream.tokens.append(last[row])
             delta = stream.sent.update(self._decode(stream))
-            if delta:
-                self.sink(stream.index, delta)
+            tokens = (self.prompt_tokens[row], len(stream.tokens))
+            if delta and self.sink(stream.index, delta, tokens) and end is None:
+                stream.done = True
+                left.append(row)
+        return left
 
     def _decode(self, stream: _RowStream) -> str:
         """The row's text so far, its newest token decoded in the context of the few before

@@ -12,7 +12,13 @@ its `seed`, else fresh); max tokens keeps the first words (`length`); a stop str
 text before it (`stop`). A chat is rendered with batching.generation.render_chat_plain.
 
 It streams (`complete_streaming`): a streaming row's words arrive spread over the call.
-A call lasts SIMULATED_BATCH_MS in all: the answers are shaped within it.
+
+A call's time is its cost profile's (SIMULATED_COST, batching.call_cost): under `contract`,
+SIMULATED_BATCH_MS whatever its shape, each streaming row's words spread evenly over it; under
+a fitted profile, the time its shape costs (rows, longest prompt, steps to its longest row's
+end, a word a token), its words one a step after the prefill. A streaming row whose client
+left (the sink says so) stops at that step, and such a call ends with its last live row.
+The answers are shaped within the call's time.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from batching.call_cost import CostProfile, Shape
 from batching.generation import Completion, FinishReason, Row, RowSettings, cut_at_stop
 from workers.samplers.base import PromptRejected, Sampler, StreamSink
 
@@ -109,13 +116,18 @@ class _Call:
 class SimulatedSampler(Sampler):
     name = "simulated"
 
-    def __init__(self, batch_ms: float = 100.0, extra_words: int = 0) -> None:
+    def __init__(
+        self, batch_ms: float = 100.0, extra_words: int = 0, cost: CostProfile | None = None
+    ) -> None:
         self.batch_ms = batch_ms
         self.extra_words = extra_words
+        self.cost = cost or CostProfile.contract(batch_ms)
+        self.cost_profile = self.cost
         self._call: _Call | None = None  # while `complete` runs
+        self.last_steps = 0  # the steps the last call ran (its cost's, not the contract's)
 
     def sample(self, prompts: list[str]) -> list[str | PromptRejected]:
-        """The call: SIMULATED_BATCH_MS from its start to its end, whatever it computes. Under
+        """The call: from its start to its end, the time its cost profile says. Under
         `complete`, it shapes the rows' answers (their settings, their tokens) within that
         time too, as a model's call does: a call of 100 API rows took 1 ms longer when they
         were shaped after it."""
@@ -126,7 +138,13 @@ class SimulatedSampler(Sampler):
         call = self._call
         if call is not None and len(call.rows) == len(prompts):
             call.answers = self._completions(call.rows, completions)
-        self._wait_out_call(started, call)
+        else:  # a call of bare prompts: the queue's settings
+            call = _Call([Row(p, self.row_settings(), bare=True) for p in prompts], None)
+            call.answers = self._completions(call.rows, completions)
+        if self.cost.is_contract:
+            self._wait_out_contract(started, call)
+        else:
+            self._wait_out_profile(started, call)
         return completions
 
     def complete(self, rows: list[Row]) -> list[Completion | PromptRejected]:
@@ -155,19 +173,55 @@ class SimulatedSampler(Sampler):
         return [text if isinstance(text, PromptRejected) else answer
                 for text, answer in zip(texts, answers, strict=True)]  # fmt: skip
 
-    def _wait_out_call(self, started: float, call: _Call | None) -> None:
+    def _wait_out_contract(self, started: float, call: _Call) -> None:
         """Sleep until the call has lasted `batch_ms`, sending the streaming rows' words as
         they come due."""
         call_s = self.batch_ms / 1000
-        if call is not None and call.sink is not None and call.answers is not None:
-            for share, index, text in _pieces(call.rows, call.answers):
+        if call.sink is not None and call.answers is not None:
+            for share, index, text, tokens in _pieces(call.rows, call.answers):
                 wait_s = started + share * call_s - time.perf_counter()
                 if wait_s > 0:
                     time.sleep(wait_s)
-                call.sink(index, text)
+                call.sink(index, text, tokens)
         remaining = started + call_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
+
+    def _wait_out_profile(self, started: float, call: _Call) -> None:
+        """Sleep for the call's cost: its prefill, then a step for each token of its longest
+        live row; a streaming row's word k sent at its step k, none after its client left."""
+        assert call.answers is not None
+        steps = [self._steps(row, answer) for row, answer in zip(call.rows, call.answers,
+                                                                strict=True)]  # fmt: skip
+        shape = Shape(
+            rows=len(call.rows),
+            prompt_tokens=max(self.count_tokens(row.prompt) for row in call.rows),
+            steps=max(steps),
+            max_new_tokens=max(row.settings.max_tokens for row in call.rows),
+        )
+        prefill_s, step_s = self.cost.prefill_ms(shape) / 1000, self.cost.step_ms(shape) / 1000
+        if call.sink is not None:
+            by_step = sorted(_pieces(call.rows, call.answers), key=lambda piece: piece[3][1])
+            for _, index, text, tokens in by_step:
+                step = tokens[1]
+                if step > steps[index]:  # its client left at an earlier step
+                    continue
+                wait_s = started + prefill_s + step * step_s - time.perf_counter()
+                if wait_s > 0:
+                    time.sleep(wait_s)
+                if call.sink(index, text, tokens):  # its client left: it decodes no more
+                    steps[index] = step
+        self.last_steps = max(steps)
+        remaining = started + prefill_s + self.last_steps * step_s - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+
+    def _steps(self, row: Row, answer: Completion | PromptRejected) -> int:
+        """The steps a row decodes: its completion's tokens, at most its max tokens (a bare
+        row's text is the contract's, whatever its length)."""
+        if isinstance(answer, PromptRejected):
+            return 0
+        return min(answer.completion_tokens, row.settings.max_tokens)
 
     def _completions(
         self, rows: list[Row], texts: list[str | PromptRejected]
@@ -190,11 +244,13 @@ class SimulatedSampler(Sampler):
 
 def _pieces(
     rows: list[Row], answers: list[Completion | PromptRejected]
-) -> list[tuple[float, int, str]]:
-    """The streaming rows' words as (share of the call, row, text), in the order they are due."""
-    pieces: list[tuple[float, int, str]] = []
+) -> list[tuple[float, int, str, tuple[int, int]]]:
+    """The streaming rows' words as (share of the call, row, text, the row's tokens with it:
+    prompt, completion so far), in the order they are due."""
+    pieces: list[tuple[float, int, str, tuple[int, int]]] = []
     for index, (row, answer) in enumerate(zip(rows, answers, strict=True)):
         if row.stream and isinstance(answer, Completion):
             words = re.findall(r"\s*\S+", answer.text)
-            pieces += [((k + 1) / len(words), index, w) for k, w in enumerate(words)]
+            pieces += [((k + 1) / len(words), index, w, (answer.prompt_tokens, k + 1))
+                       for k, w in enumerate(words)]  # fmt: skip
     return sorted(pieces)

@@ -9,6 +9,10 @@ admission, searched upward from the analytic lower bound: the fewest GPUs whose 
 carry more than the rate, a turn being one call and the measured gap between two calls. Web
 nodes follow from the front end's measured CPU per request; Redis shards (SAMPLING_SHARDS, a
 master each) from one shard's measured ceiling (bench/shard_ceiling/), planned at half of it.
+
+On a GPU's cost curve (`--cost h100-graphs-135m`, or a profile file: batching.call_cost) a call
+lasts what its rows' shape costs: `--request-shapes` says the requests' prompt tokens and
+`max_tokens` (planning.shapes), and the plan prints its latencies in calls too.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from batching.call_cost import CONTRACT, CostProfile, load_profile
 from batching.policy import MAX_BATCH_SIZE
 from planning import mix, simulation
 from planning.costs import MEASURED, MEASURED_SHARD
+from planning.shapes import RequestShapes, ShapesError, parse_shapes
 
 # Front-end CPU per /sample request, measured by `make bench-compare` (docs/benchmarks:
 # ours at 90% load, N = 1, 2026-11-21) on the 2-core machine that docs/benchmarks' figures
@@ -49,6 +55,8 @@ class Options:
     seconds: float
     seed: int
     table: bool
+    cost: str
+    request_shapes: str | None
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> Options:
@@ -64,7 +72,10 @@ class Options:
             # Long enough for a steady state (hundreds of calls per GPU), capped at about a
             # million arrivals per GPU count tried.
             seconds = max(10.0, min(60.0, 1_000_000 / rate))
+        cost, shapes = self.curve()
         return simulation.Scenario(
+            cost=cost,
+            shapes=shapes,
             rate_rps=rate,
             gpus=1,
             batch_ms=self.batch_ms,
@@ -76,6 +87,19 @@ class Options:
             gap_ms=self.gap_ms,
             seed=self.seed,
         )
+
+    def curve(self) -> tuple[CostProfile | None, RequestShapes | None]:
+        """The cost profile and the requests' shapes (None, None: the contract's calls)."""
+        if self.cost == CONTRACT:
+            if self.request_shapes:
+                raise CommandError("--request-shapes prices calls on a cost curve: give --cost")
+            return None, None
+        if not self.request_shapes:
+            raise CommandError("--cost needs --request-shapes: a call's cost is its rows' shape")
+        try:
+            return load_profile(self.cost, self.batch_ms), parse_shapes(self.request_shapes)
+        except (ValueError, ShapesError) as exc:
+            raise CommandError(str(exc)) from None
 
     def web_nodes(self, rate: float) -> int:
         return simulation.web_nodes(
@@ -165,6 +189,18 @@ class Command(BaseCommand):
             "--seconds", type=float, default=0.0, help="simulated seconds (default: automatic)"
         )
         parser.add_argument("--seed", type=int, default=1)
+        parser.add_argument(
+            "--cost",
+            default=CONTRACT,
+            help="a cost profile: contract (every call --batch-ms, the default), "
+            "h100-graphs-135m, or a profile file (python -m bench profile_fit)",
+        )
+        parser.add_argument(
+            "--request-shapes",
+            metavar="PROMPT_TOKENS:MAX_TOKENS|FILE",
+            help="with --cost: the requests' prompt tokens and max_tokens, each N or LOW-HIGH "
+            "(20-199:16), or a file of 'PROMPT_TOKENS MAX_TOKENS' lines",
+        )
         parser.add_argument("--table", action="store_true", help=f"also plan {TABLE_RATES}")
 
     def handle(self, *args: Any, **raw: Any) -> None:
@@ -180,24 +216,32 @@ class Command(BaseCommand):
         q = options.percentile
         if not 0 < q <= 100:
             raise CommandError("--percentile must be in (0, 100]")
-        if base.batch_ms + base.path_ms > base.deadline_ms:
+        full_call_ms = base.full_call_ms
+        if full_call_ms + base.path_ms > base.deadline_ms:
             raise CommandError(
-                f"one call ({base.batch_ms:g} ms) plus the request path ({base.path_ms:g} ms) "
+                f"one call ({full_call_ms:,.1f} ms) plus the request path ({base.path_ms:g} ms) "
                 f"is past the {base.deadline_ms:g} ms deadline: no number of GPUs meets it"
             )
         plan = simulation.fewest_gpus(base, q)
         out = plan.outcome
         write = self.stdout.write
+        if base.on_curve:
+            assert base.cost is not None
+            assert base.shapes is not None
+            calls = (f"calls on the {base.cost.name} curve (requests of "
+                     f"{base.shapes.spec} tokens), a full one {full_call_ms:,.1f} ms")  # fmt: skip
+        else:
+            calls = f"calls of {base.batch_ms:g} ms"
         write(
-            f"{base.rate_rps:,.0f} req/s, p{q:g} within {base.deadline_ms:g} ms, calls of "
-            f"{base.batch_ms:g} ms with up to {base.max_batch} prompts:"
+            f"{base.rate_rps:,.0f} req/s, p{q:g} within {base.deadline_ms:g} ms, {calls} "
+            f"with up to {base.max_batch} prompts:"
         )
         write(f"  GPUs needed:           {plan.gpus}")
         write(
             f"  analytic lower bound:  {plan.lower_bound}  "
             f"(full batches carry more than {base.rate_rps:,.0f} req/s: "
-            f"{base.rate_rps:,.0f} x ({base.batch_ms:g} + {base.gap_ms:g}) ms / {base.max_batch}"
-            f" = {base.full_batch_gpus:.2f} GPUs busy)"
+            f"{base.rate_rps:,.0f} x ({full_call_ms:,.1f} + {base.gap_ms:g}) ms / "
+            f"{base.max_batch} = {base.full_batch_gpus:.2f} GPUs busy)"
         )
         write(
             f"  predicted goodput:     {out.goodput_rps:,.0f} req/s "
@@ -211,6 +255,11 @@ class Command(BaseCommand):
             "  latency p50/p95/p99:   "
             + " / ".join(_ms(out.percentile_ms(p)) for p in (50, 95, 99))
         )
+        if base.on_curve:
+            write(
+                f"  in calls:              mean call {out.mean_call_ms:,.1f} ms; p50 / p99 "
+                + " / ".join(_calls(out.percentile_ms(p), out.mean_call_ms) for p in (50, 99))
+            )
         write(f"  web nodes:             {options.web_nodes(base.rate_rps)}  ({options.web_basis})")
         write(
             f"  Redis shards:          {options.redis_shards(base.rate_rps)}  "
@@ -295,3 +344,7 @@ class Command(BaseCommand):
 
 def _ms(value: float) -> str:
     return "missed" if math.isinf(value) else f"{value:,.0f} ms"
+
+
+def _calls(value: float, call_ms: float) -> str:
+    return "missed" if math.isinf(value) or not call_ms else f"{value / call_ms:.2f} calls"

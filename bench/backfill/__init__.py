@@ -1,17 +1,19 @@
 """Offline jobs beside requests: what a job costs them, and how much of the empty places it fills.
 
     .venv/bin/python -m bench backfill [--rounds 5] [--seconds 10] [--max-batch 100]
-        [--workers 1]
+        [--workers 1] [--cost contract|h100-graphs-135m|FILE] [--sampler simulated|hf] [--aa]
 
-`--workers` simulated GPUs (100 ms calls of up to `--max-batch`: a limit of workers x
-max-batch x 10 requests a second) behind two gevent web processes and the feeder, on an
-embedded Redis, with a database of its own. With several GPUs and no load
-(`--workers 4 --loads 0`), the job's rate is what one feeder writes, not what the GPUs run.
-At each load (0, 10, 50, 90 and 100% of the limit), `--seconds` of open-loop Poisson
-requests to /sample, once without a job and once while a job of `--job-lines` chat lines
-(50,000) runs, in alternating order round after round; the job is created (and validated,
-and its lanes fed) before the window opens, and cancelled after it (the next window opens
-once it is). Per load, medians over the rounds:
+`--workers` simulated GPUs (100 ms calls of up to `--max-batch`) behind two gevent web
+processes and the feeder, on an embedded Redis, with a database of its own. At each load
+(0, 10, 50, 90 and 100% of the limit), `--seconds` of open-loop Poisson requests to /sample,
+once without a job and once while a job of `--job-lines` chat lines runs, in alternating
+order round after round; the job is created and fed before the window opens, and cancelled
+after it. `--cost` prices the calls on a cost profile (batching.call_cost): on a curve, every
+row runs to 16 new tokens, as the job's lines ask (74.9 ms for 1 row on the H100's, 209.4 ms
+for 100). `--sampler hf` runs the packaged SmolLM2 (on a GPU if any), 16 new tokens a row,
+its loads in `--cost`'s full calls (h100-graphs-135m unless named), its texts unchecked.
+`--aa` adds a third window a round without the job: how far two windows alike read apart.
+Per load, medians over the rounds:
 
 - interactive goodput (200s a second) and latency p50/p99, without and with the job;
 - the job's lines answered a second during the window: the slope of its `request_counts`,
@@ -26,13 +28,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
-import json
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import redis
 from openai import OpenAI
@@ -40,23 +39,24 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batching.aggregator import BatchAggregator
 from batching.batch_log import BatchLog
+from batching.call_cost import CONTRACT
 from batching.outcomes import RequestOutcome
+from bench.backfill import report
 from bench.harness import jobs, loadgen
+from bench.harness.costs import Calls
 from bench.harness.machine import describe_machine
-from bench.harness.report import markdown_table
 from bench.harness.stack import make_api_keys, new_queue, simulated_env, simulated_stack
-from bench.harness.stats import median
 from bench.harness.trees import in_turn
 from inference_site.lib.embedded_redis import EmbeddedRedis
 from inference_site.lib.stack import Stack
+from workers.launch import local_gpu_count
 from workers.lifecycle import HEARTBEAT_INTERVAL_S
-from workers.samplers.simulated import expected_completion
 
 CALL_MS = 100
 # Workers publish their metrics with each heartbeat: a call's places are on /metrics this
 # long after it at most (and a little more).
 METRICS_EVERY_S = HEARTBEAT_INTERVAL_S + 0.5
-FILLED = ("interactive", "backfill", "empty")
+HF_LIMIT_COST = "h100-graphs-135m"  # the packaged model's loads, in this profile's full calls
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,12 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--loads", default="0,10,50,90,100", help="percents of the limit, default 0,10,50,90,100"
     )
+    parser.add_argument("--cost", default=CONTRACT, help="a cost profile, default contract")
+    parser.add_argument("--sampler", choices=("simulated", "hf"), default="simulated")
+    parser.add_argument("--aa", action="store_true", help="a second window without the job")
 
 
 def _places(stack: Stack) -> dict[str, float]:
     """The workers' places so far, by what filled them."""
     body = loadgen_get(stack, "/metrics")
-    found = dict.fromkeys(FILLED, 0.0)
+    found = dict.fromkeys(report.FILLED, 0.0)
     for family in text_string_to_metric_families(body):
         for sample in family.samples:
             if sample.name == "sampling_call_places_total":
@@ -97,7 +100,7 @@ def _window(
     job: bool,
     tag: str,
 ) -> dict[str, float]:
-    limit = _limit(args)
+    limit, timeout_s = _limit(args), int(stack.env.get("SAMPLING_DEADLINE_MS", 500)) / 1000 + 3
     job_id = jobs.start(client, stack.env["SAMPLING_QUEUE"], args.job_lines, tag) if job else ""
     places, since_ms = _places(stack), _now_ms()
     with contextlib.ExitStack() as running:
@@ -105,13 +108,13 @@ def _window(
         if load:
             results = loadgen.run(
                 "127.0.0.1", stack.port or 0, "/sample", limit * load, args.seconds,
-                lambda i: f"{tag} {i}", expected_completion, client_timeout_s=3.0,
+                lambda i: f"{tag} {i}", _expected(args), client_timeout_s=timeout_s,
             )  # fmt: skip
         else:
             time.sleep(args.seconds)  # duration: the window with no requests
     after, until_ms = _places(stack), _now_ms()
-    figures = {name: after[name] - places[name] for name in FILLED}
-    figures["between_calls_ms"] = _between_calls_ms(records, since_ms, until_ms)
+    figures = {name: after[name] - places[name] for name in report.FILLED}
+    figures["between_calls_ms"] = report.between_calls_ms(records, since_ms, until_ms)
     if progress is not None:
         figures["job_rps"] = progress.rate()
         client.batches.cancel(job_id)
@@ -132,27 +135,28 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _between_calls_ms(records: BatchLog, since_ms: int, until_ms: int) -> float:
-    """How long a GPU waited between two of its calls started in the window, on average
-    (from one call's end to the next one's start: the seal and the rows, or an idle GPU);
-    from the workers' batch records. A mean: the records' times are whole milliseconds, and
-    the mean of their differences is exact but for its two ends."""
-    by_worker: dict[str, list[dict[str, Any]]] = {}
-    for raw in records.recent():
-        record = json.loads(raw)
-        started = record.get("call_started_ms")
-        if started is not None and since_ms <= started <= until_ms:
-            by_worker.setdefault(record["worker"], []).append(record)
-    gaps = []
-    for calls in by_worker.values():
-        calls.sort(key=lambda record: record["call_started_ms"])
-        gaps += [after["call_started_ms"] - before["call_started_ms"] - before["sampler_ms"]
-                 for before, after in itertools.pairwise(calls)]  # fmt: skip
-    return sum(gaps) / len(gaps) if gaps else float("nan")
+def _calls(args: argparse.Namespace) -> Calls:
+    cost = HF_LIMIT_COST if args.sampler == "hf" and args.cost == CONTRACT else args.cost
+    return Calls(cost, CALL_MS, args.max_batch)
 
 
-def _limit(args: argparse.Namespace) -> float:
-    return args.workers * args.max_batch * 1000 / CALL_MS
+def _expected(args: argparse.Namespace) -> Callable[[str], str] | None:  # None: a model's text
+    return _calls(args).expected() if args.sampler == "simulated" else None
+
+
+def _sampler_env(args: argparse.Namespace) -> tuple[dict[str, str], list[int | None]]:
+    """The workers' settings and GPUs: the simulated sampler's curve, or the packaged model."""
+    if args.sampler == "simulated":
+        return _calls(args).env(), [None] * args.workers
+    env = {"SAMPLER": "hf", "SAMPLING_MODEL": "", "SAMPLING_MAX_NEW_TOKENS": "16"}
+    if local_gpu_count():
+        return env, list(range(args.workers))
+    cpu = {"SAMPLING_DEADLINE_MS": "60000", "SAMPLING_CALL_TIMEOUT_MS": "60000"}  # calls of s
+    return {**env, **cpu}, [None] * args.workers
+
+
+def _limit(args: argparse.Namespace) -> float:  # requests a second in full calls
+    return _calls(args).limit_rps(args.workers)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -161,60 +165,34 @@ def main(args: argparse.Namespace) -> None:
     files = Path(tempfile.mkdtemp(prefix="bench-backfill-"))
     env = simulated_env(server.url, new_queue("backfill"), call_ms=CALL_MS,
                         max_batch=args.max_batch, SAMPLING_FILES_DIR=str(files))  # fmt: skip
-    stack = simulated_stack(env, [None] * args.workers)
-    runs: dict[tuple[float, bool], list[dict[str, float]]] = {}
+    sampler_env, gpus = _sampler_env(args)
+    stack = simulated_stack({**env, **sampler_env}, gpus)
+    runs: report.Runs = {}
+    kinds = (report.ALONE, report.JOB, report.AGAIN) if args.aa else (report.ALONE, report.JOB)
     loads = [int(percent) / 100 for percent in args.loads.split(",")]
     try:
-        stack.start(timeout_s=120)
+        stack.start(timeout_s=300)
         key = make_api_keys(stack, {"bench-backfill": []})["bench-backfill"]
         records = BatchAggregator(redis.Redis.from_url(server.url), env["SAMPLING_QUEUE"]).batch_log
         client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0,
                         timeout=120)  # fmt: skip
         for round_index in range(args.rounds):
             for load in loads:
-                for job in in_turn((False, True), round_index + int(load * 10)):
-                    tag = f"r{round_index}-{load}-{int(job)}"
-                    figures = _window(stack, client, records, args, load, job, tag)
-                    runs.setdefault((load, job), []).append(figures)
+                for kind in in_turn(kinds, round_index + int(load * 10)):
+                    tag = f"r{round_index}-{load}-{kind}"
+                    figures = _window(stack, client, records, args, load, kind == report.JOB, tag)
+                    runs.setdefault((load, kind), []).append(figures)
                     shown = "  ".join(f"{k} {v:.1f}" for k, v in figures.items())
-                    print(f"  round {round_index + 1} load {load:.0%} job {job}: {shown}",
+                    print(f"  round {round_index + 1} load {load:.0%} {kind}: {shown}",
                           flush=True)  # fmt: skip
     finally:
         stack.stop()
         server.stop()
-    print(f"\n{_table(runs, loads, args)}")
-
-
-def _table(
-    runs: dict[tuple[float, bool], list[dict[str, float]]],
-    loads: list[float],
-    args: argparse.Namespace,
-) -> str:
-    def of(load: float, job: bool, name: str) -> float:
-        values = [run[name] for run in runs.get((load, job), []) if name in run]
-        return median(values) if values else float("nan")
-
-    def share(load: float, name: str) -> str:
-        total = sum(of(load, True, filled) for filled in FILLED)
-        return f"{100 * of(load, True, name) / total:.0f}%" if total else "-"
-
-    rows: list[list[Any]] = []
-    number: Callable[[float], str] = lambda value: "-" if value != value else f"{value:,.1f}"  # noqa: E731
-    for load in loads:
-        rows.append([
-            f"{load:.0%}", number(of(load, False, "goodput")), number(of(load, True, "goodput")),
-            number(of(load, False, "p50")), number(of(load, True, "p50")),
-            number(of(load, False, "p99")), number(of(load, True, "p99")),
-            number(of(load, True, "job_rps")), *(share(load, name) for name in FILLED),
-            number(of(load, False, "between_calls_ms")), number(of(load, True, "between_calls_ms")),
-        ])  # fmt: skip
-    limit = _limit(args)
+    limit, calls = _limit(args), _calls(args).describe()
+    runs_on = f"{args.workers} simulated GPU(s), {calls}" if args.sampler == "simulated" else (
+        f"{args.workers} worker(s) of the packaged SmolLM2 (loads in {calls})")  # fmt: skip
     title = (
-        f"{args.workers} simulated GPU(s), {CALL_MS} ms calls of up to {args.max_batch} "
-        f"(limit {limit:g}/s); "
+        f"{runs_on} of up to {args.max_batch} (limit {limit:,.0f}/s); "
         f"medians of {args.rounds} rounds of {args.seconds:g} s windows"
     )
-    header = ["load", "goodput/s", "with job", "p50 ms", "with job", "p99 ms", "with job",
-              "job lines/s", "places: requests", "job", "empty", "between calls ms",
-              "with job"]  # fmt: skip
-    return f"{title}\n\n{markdown_table(header, rows)}\n"
+    print(f"\n{title}\n\n{report.table(runs, loads, aa=args.aa)}")

@@ -1,0 +1,66 @@
+"""Where a /v1/files upload is written while it arrives: SAMPLING_UPLOAD_TEMP_DIR, by default a
+directory on the files' own volume. The file is then stored by a rename, not a copy of up to
+200 MB, and no small /tmp (a Kubernetes pod's is 64 Mi of memory) limits what can be sent.
+Small uploads stay in memory, as Django keeps them. An upload whose web process was killed
+while it arrived leaves its file there: the feeder sweeps files older than ABANDONED_S.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.files.uploadedfile import TemporaryUploadedFile, UploadedFile
+from django.core.files.uploadhandler import (
+    FileUploadHandler,
+    MemoryFileUploadHandler,
+    TemporaryFileUploadHandler,
+)
+from django.http import HttpRequest
+
+# An upload's file this old is one its web process left (killed while it arrived): no upload
+# takes so long.
+ABANDONED_S = 6 * 3600
+SUFFIX = ".upload"
+
+
+class _BesideTheFiles(TemporaryUploadedFile):
+    def __init__(self, name: str | None, content_type: str | None, size: int,
+                 charset: str | None, content_type_extra: Any = None) -> None:  # fmt: skip
+        directory = settings.SAMPLING_UPLOAD_TEMP_DIR
+        os.makedirs(directory, exist_ok=True)
+        file = tempfile.NamedTemporaryFile(suffix=SUFFIX, dir=directory)  # noqa: SIM115
+        UploadedFile.__init__(self, file, name, content_type, size, charset, content_type_extra)
+
+
+class _BesideTheFilesHandler(TemporaryFileUploadHandler):
+    def new_file(self, *args: Any, **kwargs: Any) -> None:
+        FileUploadHandler.new_file(self, *args, **kwargs)
+        self.file = _BesideTheFiles(self.file_name, self.content_type, 0, self.charset,
+                                    self.content_type_extra)  # fmt: skip
+
+
+def receive_beside_the_files(request: HttpRequest) -> None:
+    """The request's upload, once parsed, in memory (small) or beside the files (else); call
+    before its POST or FILES is read."""
+    request.upload_handlers = [MemoryFileUploadHandler(request), _BesideTheFilesHandler(request)]
+
+
+def sweep_abandoned(now: float | None = None) -> int:
+    """Delete the uploads' files older than ABANDONED_S; how many."""
+    directory = Path(settings.SAMPLING_UPLOAD_TEMP_DIR)
+    if not directory.is_dir():
+        return 0
+    limit = (time.time() if now is None else now) - ABANDONED_S
+    swept = 0
+    for path in directory.glob(f"*{SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):  # finished, or swept by another
+            if path.stat().st_mtime < limit:
+                path.unlink()
+                swept += 1
+    return swept
