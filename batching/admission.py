@@ -9,7 +9,8 @@ take a GPU that frees, in round `ahead // workers`:
 
 where `free` is when that GPU frees: the worst case, one whole turn (the call may have just
 started), unless the shard knows when its running calls end (each seal records its call's
-predicted end): then that end, plus ADMISSION_MARGIN_TURNS of a turn, never more than a turn.
+predicted end): then that end, plus ADMISSION_MARGIN_TURNS of a turn (at most
+ADMISSION_MARGIN_MAX_MS), never more than a turn.
 A request whose remaining budget is shorter gets a 503 with Retry-After instead of a 504
 later. An optimistic `+ 1` turn, without the running calls' ends, let in requests that then
 expired in the queue: under overload the benchmark lost about a quarter of its goodput that
@@ -29,9 +30,11 @@ from dataclasses import dataclass
 
 # The running call (which may have just started) and the batch's own call: the worst case.
 WORST_CASE_EXTRA_TURNS = 2
-# A running call whose end is known is counted to end this share of a turn later: the web
-# path and the gap between calls, and a call that runs past its prediction.
+# A running call whose end is known is counted to end this share of a turn later, at most
+# ADMISSION_MARGIN_MAX_MS: the web path and the gap between calls, and a call that runs past
+# its prediction. The first two do not grow with the call, so a long call's margin is capped.
 ADMISSION_MARGIN_TURNS = 0.2
+ADMISSION_MARGIN_MAX_MS = 20.0
 
 
 def predicted_ms(
@@ -46,8 +49,13 @@ def predicted_ms(
     rounds, slot = divmod(ahead, workers)
     free = turn_ms
     if slot < len(frees):
-        free = min(turn_ms, max(0.0, frees[slot]) + ADMISSION_MARGIN_TURNS * turn_ms)
+        free = min(turn_ms, max(0.0, frees[slot]) + margin_ms(turn_ms))
     return free + (rounds + WORST_CASE_EXTRA_TURNS - 1) * turn_ms
+
+
+def margin_ms(turn_ms: float) -> float:
+    """What a known running call's end is counted late by."""
+    return min(ADMISSION_MARGIN_TURNS * turn_ms, ADMISSION_MARGIN_MAX_MS)
 
 
 def refuses(

@@ -8,7 +8,11 @@ own, and keeps each lane's share of the turns for admission."""
 
 from __future__ import annotations
 
-from batching.admission import ADMISSION_MARGIN_TURNS, WORST_CASE_EXTRA_TURNS
+from batching.admission import (
+    ADMISSION_MARGIN_MAX_MS,
+    ADMISSION_MARGIN_TURNS,
+    WORST_CASE_EXTRA_TURNS,
+)
 from batching.policy import MAX_BATCH_SIZE
 from batching.protocol import BACKFILL_TURN
 
@@ -38,6 +42,7 @@ SCRIPT_CONSTANTS: dict[str, object] = {
     "MAX_BATCH_SIZE": MAX_BATCH_SIZE,
     "WORST_CASE_EXTRA_TURNS": WORST_CASE_EXTRA_TURNS,
     "ADMISSION_MARGIN_TURNS": ADMISSION_MARGIN_TURNS,
+    "ADMISSION_MARGIN_MAX_MS": ADMISSION_MARGIN_MAX_MS,
     "LANE_KEEP_TTLS": LANE_KEEP_TTLS,
     "HOLD_LATE_FACTOR": HOLD_LATE_FACTOR,
     "VIABLE_SCAN": VIABLE_SCAN,

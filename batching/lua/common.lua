@@ -46,7 +46,8 @@ local function predicted_ms(ahead, workers, turn_ms, frees)
   local rounds, slot = math.floor(ahead / workers), ahead % workers
   local free = turn_ms
   if frees[slot + 1] then
-    free = math.min(turn_ms, math.max(0, frees[slot + 1]) + {{ADMISSION_MARGIN_TURNS}} * turn_ms)
+    free = math.min(turn_ms, math.max(0, frees[slot + 1])
+                      + math.min({{ADMISSION_MARGIN_TURNS}} * turn_ms, {{ADMISSION_MARGIN_MAX_MS}}))
   end
   return free + (rounds + {{WORST_CASE_EXTRA_TURNS}} - 1) * turn_ms
 end

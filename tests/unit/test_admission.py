@@ -104,3 +104,7 @@ def test_a_known_call_end_counts_from_that_end_plus_a_margin() -> None:
     assert admission.predicted_ms(3, 2, 100, frees=[10, 40]) == 40 + margin + 2 * 100
     # A GPU whose end is not known frees a turn from now.
     assert admission.predicted_ms(3, 2, 100, frees=[10]) == 100 + 2 * 100
+    # A long call's margin is capped: the web path and the gap do not grow with the call.
+    long_turn = 10 * admission.ADMISSION_MARGIN_MAX_MS / admission.ADMISSION_MARGIN_TURNS
+    capped = 30 + admission.ADMISSION_MARGIN_MAX_MS + 2 * long_turn  # the batch ahead, its own
+    assert admission.predicted_ms(1, 1, long_turn, frees=[30]) == capped
