@@ -8,7 +8,12 @@ process that cannot start a request's work in time refuses it at once, before an
   before the view, which no code in the process sees); otherwise when the view starts. From
   it the deadline counts: `submit` gets what is left, and admission refuses a request whose
   predicted wait exceeds that, mostly without a Redis call.
-- A request that has already waited its deadline less MIN_WORK_MS is refused.
+- A request that has already waited its deadline less the least work a request needs is
+  refused. That least work follows what this process serves: the quickest of its recent
+  answers (WORK_QUANTILE of the 200s of the last WORK_WINDOWS windows, from the view's start),
+  never under MIN_WORK_MS nor over half the deadline. A request with less time left than the
+  quickest recent answer took would be answered 504 later: a call on the GPU, a saturated
+  event loop, cannot take less. With too few recent answers it is MIN_WORK_MS.
 - A process holds at most WEB_MAX_IN_FLIGHT generating requests (docs/reliability.md: the
   sizing rule); one more is refused.
 - It holds fewer while it answers requests late. A request answered 504 (a stream's excepted:
@@ -37,6 +42,7 @@ import math
 import socket
 import struct
 import time
+from collections import deque
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
@@ -44,6 +50,11 @@ from typing import Any
 # A request needs at least this much of its deadline left to be worth starting: one Redis
 # round trip, its task's publish and a turn of the GPU cannot take less.
 MIN_WORK_MS = 50
+# The least work follows the quickest recent answers: this quantile of the 200s of the last
+# WORK_WINDOWS adapt windows, once there are WORK_MIN_SAMPLES of them.
+WORK_QUANTILE = 0.05
+WORK_WINDOWS = 10
+WORK_MIN_SAMPLES = 20
 # The in-flight limit's control: a window with a 504 cuts it to CUT_SHARE of what the process
 # holds, a window without one adds GROWTH_SHARE of it and one (a second: about +10% and 10).
 ADAPT_WINDOW_S = 0.1
@@ -124,6 +135,9 @@ class Shedder:
         self.in_flight = 0
         self._late = 0  # requests answered 504 in this window
         self._cut_at = -math.inf  # monotonic: the last cut
+        self.least_work_ms = float(MIN_WORK_MS)
+        self._took: list[float] = []  # ms from view to answer of this window's 200s
+        self._took_windows: deque[list[float]] = deque(maxlen=WORK_WINDOWS)
 
     def timed_out(self, arrival: float) -> None:
         """A request of this process that arrived at `arrival` was answered 504. One admitted
@@ -131,8 +145,21 @@ class Shedder:
         if arrival > self._cut_at:
             self._late += 1
 
+    def served(self, started: float) -> None:
+        """A request of this process whose view started at `started` was answered 200."""
+        self._took.append((time.monotonic() - started) * 1000)
+
     def adapt(self) -> None:
-        """Called every ADAPT_WINDOW_S: the in-flight limit follows this window's 504s."""
+        """Called every ADAPT_WINDOW_S: the in-flight limit follows this window's 504s, the
+        least work the recent answers."""
+        self._took_windows.append(self._took)
+        self._took = []
+        took = sorted(ms for window in self._took_windows for ms in window)
+        if len(took) >= WORK_MIN_SAMPLES:
+            quickest = took[int(len(took) * WORK_QUANTILE)]
+            self.least_work_ms = max(float(MIN_WORK_MS), quickest)
+        else:
+            self.least_work_ms = float(MIN_WORK_MS)
         if self._late and self.in_flight >= LEAST_IN_FLIGHT:
             cut = max(LEAST_IN_FLIGHT, min(self.limit, self.in_flight) * CUT_SHARE)
             self.limit = min(self.limit, cut)
@@ -158,6 +185,6 @@ class Shedder:
         if self.in_flight >= self.limit:  # WEB_MAX_IN_FLIGHT at most
             return ShedReason.IN_FLIGHT
         waited_ms = (time.monotonic() - arrival) * 1000
-        if waited_ms + MIN_WORK_MS > deadline_ms:
+        if waited_ms + min(self.least_work_ms, deadline_ms / 2) > deadline_ms:
             return ShedReason.LATE
         return None

@@ -94,6 +94,7 @@ def counted(handle: Handler, words: Words) -> View:
     def view(request: HttpRequest) -> HttpResponseBase:
         process = web_process()
         arrival = process.shedder.arrival(request.META)  # the deadline counts from here
+        started = time.monotonic()
         shed = _shed(process, arrival)
         caller: Caller | Failure
         handled: Handled | None = None
@@ -117,6 +118,8 @@ def counted(handle: Handler, words: Words) -> View:
                 lambda outcome: _count(process, model, caller, arrival, outcome, in_flight=True)
             )
         else:
+            if handled.outcome == RequestOutcome.OK:
+                process.shedder.served(started)
             _count(process, handled.model, caller, arrival, handled.outcome)
         return handled.response
 

@@ -14,6 +14,8 @@ from sampling.shedding import (
     LEAST_IN_FLIGHT,
     MAX_HEADER_SKEW_S,
     MIN_WORK_MS,
+    WORK_MIN_SAMPLES,
+    WORK_WINDOWS,
     Shedder,
     ShedReason,
     header_start,
@@ -58,6 +60,46 @@ def test_a_request_that_waited_its_deadline_or_one_too_many_is_refused() -> None
     assert shedder.refusal(late, deadline_ms) == ShedReason.LATE
     shedder.in_flight = 2
     assert shedder.refusal(now, deadline_ms) == ShedReason.IN_FLIGHT
+
+
+def served(shedder: Shedder, took_ms: float, count: int) -> None:
+    """`count` requests answered 200, each `took_ms` after its view started."""
+    for _ in range(count):
+        shedder.served(time.monotonic() - took_ms / 1000)
+
+
+def waited(ms: float) -> float:
+    """The arrival of a request that has waited `ms` so far."""
+    return time.monotonic() - ms / 1000
+
+
+def test_the_least_work_follows_the_quickest_recent_answers() -> None:
+    shedder = Shedder(max_in_flight=1000)
+    deadline_ms = 500
+    served(shedder, 150, WORK_MIN_SAMPLES - 1)  # too few answers: the constant
+    shedder.adapt()
+    assert shedder.least_work_ms == MIN_WORK_MS
+    # Answers of 150 ms at the quickest: a request with 130 ms left would be late.
+    served(shedder, 150, 50)
+    served(shedder, 400, 50)
+    shedder.adapt()
+    assert 150 <= shedder.least_work_ms < 160
+    assert shedder.refusal(waited(deadline_ms - 170), deadline_ms) is None
+    assert shedder.refusal(waited(deadline_ms - 130), deadline_ms) == ShedReason.LATE
+    # Never over half the deadline, whatever the answers took.
+    served(shedder, 450, 10_000)
+    shedder.adapt()
+    assert shedder.refusal(waited(deadline_ms / 2 - 20), deadline_ms) is None
+    assert shedder.refusal(waited(deadline_ms / 2 + 20), deadline_ms) == ShedReason.LATE
+    # Answers age out: WORK_WINDOWS windows without one, and the constant is back.
+    for _ in range(WORK_WINDOWS):
+        shedder.adapt()
+    assert shedder.least_work_ms == MIN_WORK_MS
+    # Quick answers (the response cache's hits) keep it at the constant.
+    served(shedder, 2, 10)
+    served(shedder, 200, 90)
+    shedder.adapt()
+    assert shedder.least_work_ms == MIN_WORK_MS
 
 
 def test_late_answers_of_a_busy_process_cut_its_in_flight_limit_and_on_time_ones_restore_it() -> (
