@@ -27,7 +27,7 @@ from batching.ratelimit import RateLimiter
 from batching.stats import RequestStats
 from batching.topology import REDIS_FAULTS
 from inference_site.redis_client import redis_client
-from sampling.shedding import ADAPT_WINDOW_S, Shedder
+from sampling.shedding import ADAPT_WINDOW_S, QuickestAnswers, Shedder
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class ServedModel:
     watcher: PolicyWatcher
     stats: RequestStats
     limiter: RateLimiter
+    quickest: QuickestAnswers = field(default_factory=QuickestAnswers)
     live_workers: int | None = None  # None: not read yet (Redis away since it was made)
     live_read_at: float = 0.0  # monotonic
 

@@ -8,12 +8,12 @@ process that cannot start a request's work in time refuses it at once, before an
   before the view, which no code in the process sees); otherwise when the view starts. From
   it the deadline counts: `submit` gets what is left, and admission refuses a request whose
   predicted wait exceeds that, mostly without a Redis call.
-- A request that has already waited its deadline less the least work a request needs is
-  refused. That least work follows what this process serves: the quickest of its recent
-  answers (WORK_QUANTILE of the 200s of the last WORK_WINDOWS windows, from the view's start),
-  never under MIN_WORK_MS nor over half the deadline. A request with less time left than the
-  quickest recent answer took would be answered 504 later: a call on the GPU, a saturated
-  event loop, cannot take less. With too few recent answers it is MIN_WORK_MS.
+- A request that has already waited its deadline less MIN_WORK_MS is refused.
+- Once its model is known, a request whose deadline has less left than that model's least
+  work is refused too (QuickestAnswers): what the quickest of the model's recent answers in
+  this process took, from their view's start to their answer. Such a request would end 504: its call
+  on the GPU and the process's own path take longer. A request the response cache may answer
+  is not refused so.
 - A process holds at most WEB_MAX_IN_FLIGHT generating requests (docs/reliability.md: the
   sizing rule); one more is refused.
 - It holds fewer while it answers requests late. A request answered 504 (a stream's excepted:
@@ -38,23 +38,25 @@ that the code without them served on time, or kept too few.
 
 from __future__ import annotations
 
+import heapq
 import math
 import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Any
 
 # A request needs at least this much of its deadline left to be worth starting: one Redis
 # round trip, its task's publish and a turn of the GPU cannot take less.
 MIN_WORK_MS = 50
-# The least work follows the quickest recent answers: this quantile of the 200s of the last
-# WORK_WINDOWS adapt windows, once there are WORK_MIN_SAMPLES of them.
+# A model's least work (QuickestAnswers): this quantile of its answers of the last
+# WORK_WINDOW_S, once there are WORK_MIN_SAMPLES of them, computed at most every WORK_REFRESH_S.
 WORK_QUANTILE = 0.05
-WORK_WINDOWS = 10
+WORK_WINDOW_S = 1.0
 WORK_MIN_SAMPLES = 20
+WORK_REFRESH_S = 0.1
 # The in-flight limit's control: a window with a 504 cuts it to CUT_SHARE of what the process
 # holds, a window without one adds GROWTH_SHARE of it and one (a second: about +10% and 10).
 ADAPT_WINDOW_S = 0.1
@@ -135,9 +137,6 @@ class Shedder:
         self.in_flight = 0
         self._late = 0  # requests answered 504 in this window
         self._cut_at = -math.inf  # monotonic: the last cut
-        self.least_work_ms = float(MIN_WORK_MS)
-        self._took: list[float] = []  # ms from view to answer of this window's 200s
-        self._took_windows: deque[list[float]] = deque(maxlen=WORK_WINDOWS)
 
     def timed_out(self, arrival: float) -> None:
         """A request of this process that arrived at `arrival` was answered 504. One admitted
@@ -145,21 +144,8 @@ class Shedder:
         if arrival > self._cut_at:
             self._late += 1
 
-    def served(self, started: float) -> None:
-        """A request of this process whose view started at `started` was answered 200."""
-        self._took.append((time.monotonic() - started) * 1000)
-
     def adapt(self) -> None:
-        """Called every ADAPT_WINDOW_S: the in-flight limit follows this window's 504s, the
-        least work the recent answers."""
-        self._took_windows.append(self._took)
-        self._took = []
-        took = sorted(ms for window in self._took_windows for ms in window)
-        if len(took) >= WORK_MIN_SAMPLES:
-            quickest = took[int(len(took) * WORK_QUANTILE)]
-            self.least_work_ms = max(float(MIN_WORK_MS), quickest)
-        else:
-            self.least_work_ms = float(MIN_WORK_MS)
+        """Called every ADAPT_WINDOW_S: the in-flight limit follows this window's 504s."""
         if self._late and self.in_flight >= LEAST_IN_FLIGHT:
             cut = max(LEAST_IN_FLIGHT, min(self.limit, self.in_flight) * CUT_SHARE)
             self.limit = min(self.limit, cut)
@@ -185,6 +171,40 @@ class Shedder:
         if self.in_flight >= self.limit:  # WEB_MAX_IN_FLIGHT at most
             return ShedReason.IN_FLIGHT
         waited_ms = (time.monotonic() - arrival) * 1000
-        if waited_ms + min(self.least_work_ms, deadline_ms / 2) > deadline_ms:
+        if waited_ms + MIN_WORK_MS > deadline_ms:
             return ShedReason.LATE
         return None
+
+
+class QuickestAnswers:
+    """One model's recent answer times in this process, and the least work they show."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._answers: deque[tuple[float, float]] = deque()  # (when, ms it took), oldest first
+        self._least_ms = 0.0
+        self._computed_at = -WORK_REFRESH_S
+
+    def record(self, took_s: float) -> None:
+        """A request answered `took_s` after its view started."""
+        now = self._clock()
+        self._forget(now)
+        self._answers.append((now, took_s * 1000))
+
+    def least_work_ms(self, deadline_ms: int) -> float:
+        """The least work a request needs now (0: not known), at most half `deadline_ms`."""
+        now = self._clock()
+        if now - self._computed_at >= WORK_REFRESH_S:
+            self._computed_at = now
+            self._forget(now)
+            count = len(self._answers)
+            if count < WORK_MIN_SAMPLES:
+                self._least_ms = 0.0
+            else:
+                rank = int(count * WORK_QUANTILE) + 1
+                self._least_ms = heapq.nsmallest(rank, (ms for _, ms in self._answers))[-1]
+        return min(self._least_ms, deadline_ms / 2)
+
+    def _forget(self, now: float) -> None:
+        while self._answers and self._answers[0][0] < now - WORK_WINDOW_S:
+            self._answers.popleft()

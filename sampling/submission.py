@@ -38,6 +38,7 @@ from batching.stats import RequestStats
 from batching.topology import REDIS_FAULTS
 from inference_site.celery import app as celery_app
 from sampling import metrics
+from sampling.shedding import QuickestAnswers
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class RequestPath(Protocol):
     watcher: PolicyWatcher
     stats: RequestStats
     limiter: RateLimiter
+    quickest: QuickestAnswers
 
 
 def unavailable(message: str = QUEUE_UNAVAILABLE) -> Failure:
@@ -194,11 +196,15 @@ def enter(
     if limited is not None:
         return _limited(limited)
     policy = process.watcher.current
+    queue = process.aggregator.queue
+    digests = [cache.digest_of(queue, item, policy, caller.key_id) for item in items]
+    if not any(digests):  # the response cache may answer a request without a call
+        too_late = _too_late(process, deadline, deadline_ms)
+        if too_late is not None:
+            return too_late
     reservation = _reserve(process, caller, items, policy.max_new_tokens, reserve)
     if not isinstance(reservation, Reservation | None):
         return reservation
-    queue = process.aggregator.queue
-    digests = [cache.digest_of(queue, item, policy, caller.key_id) for item in items]
     joining = list(zip(digests, items, strict=True))
     tickets = _join(process, caller, joining, policy.version, deadline, deadline_ms, stream)
     if isinstance(tickets, Failure):
@@ -217,6 +223,21 @@ def enter(
         process.stats.record_cache(hits, asked - hits)
         metrics.record_cache(hits, asked - hits)
     return Entered(tickets, answers)
+
+
+def _too_late(process: RequestPath, deadline: float, deadline_ms: int) -> Failure | None:
+    """The refusal of a request with less of its deadline left than its model's least work
+    (sampling.shedding.QuickestAnswers): it would end 504."""
+    left_ms = int((deadline - time.monotonic()) * 1000)
+    least_ms = process.quickest.least_work_ms(deadline_ms)
+    if left_ms >= least_ms:
+        return None
+    return Failure(
+        Problem.OVERLOADED,
+        f"overloaded: predicted {least_ms:.0f} ms at least (this model's quickest recent "
+        f"answers), more than the {left_ms} ms left of the {deadline_ms} ms deadline",
+        1,
+    )
 
 
 def _reserve(

@@ -79,3 +79,44 @@ def test_one_request_over_the_in_flight_bound_gets_a_fast_503(
         assert shed_count(stack, "in_flight") == 1
         # The bound frees as requests end.
         assert sample(stack.base_url, "after", timeout=5).status == 504
+
+
+def test_a_request_with_less_time_left_than_the_models_quickest_answers_gets_a_fast_503(
+    start_stack: Callable[..., Stack],
+) -> None:
+    call_ms = 300
+    stack = start_stack(
+        "shed-least-work",
+        env={
+            "SAMPLER": "simulated",
+            "SIMULATED_BATCH_MS": str(call_ms),
+            "SAMPLING_DEADLINE_MS": str(DEADLINE_MS),
+        },
+        web_processes=1,  # every answer below teaches the one process that serves the probe
+    )
+
+    def probe(left_ms: int) -> tuple[int, str, float]:
+        """A request stamped as having waited its deadline less `left_ms`."""
+        stamp = f"t={time.time() - (DEADLINE_MS - left_ms) / 1000:.3f}"
+        started = time.monotonic()
+        reply = sample(stack.base_url, "probe", headers={"X-Request-Start": stamp})
+        return reply.status, reply.body, time.monotonic() - started
+
+    seen: list[tuple[int, str, float]] = []
+
+    def refused_after_a_burst() -> bool:
+        # 30 answers of at least a call each, then at once a request with less time left
+        # than a call: before, it was admitted and could only end 504.
+        with ThreadPoolExecutor(30) as pool:
+            replies = list(pool.map(lambda i: sample(stack.base_url, f"burst {i}"), range(30)))
+        assert {reply.status for reply in replies} == {200}
+        seen.append(probe(call_ms // 2))
+        return seen[-1][0] == 503
+
+    wait_until(refused_after_a_burst, 30, "a probe refused after a burst")
+    assert {status for status, _, _ in seen} <= {503, 504}, seen
+    _, body, took_s = seen[-1]
+    assert body.startswith("overloaded: predicted"), body
+    assert took_s < 0.2
+    # Time enough for a call and more: served.
+    assert probe(call_ms * 4)[:2] == (200, expected_completion("probe"))

@@ -15,7 +15,9 @@ from sampling.shedding import (
     MAX_HEADER_SKEW_S,
     MIN_WORK_MS,
     WORK_MIN_SAMPLES,
-    WORK_WINDOWS,
+    WORK_REFRESH_S,
+    WORK_WINDOW_S,
+    QuickestAnswers,
     Shedder,
     ShedReason,
     header_start,
@@ -60,46 +62,6 @@ def test_a_request_that_waited_its_deadline_or_one_too_many_is_refused() -> None
     assert shedder.refusal(late, deadline_ms) == ShedReason.LATE
     shedder.in_flight = 2
     assert shedder.refusal(now, deadline_ms) == ShedReason.IN_FLIGHT
-
-
-def served(shedder: Shedder, took_ms: float, count: int) -> None:
-    """`count` requests answered 200, each `took_ms` after its view started."""
-    for _ in range(count):
-        shedder.served(time.monotonic() - took_ms / 1000)
-
-
-def waited(ms: float) -> float:
-    """The arrival of a request that has waited `ms` so far."""
-    return time.monotonic() - ms / 1000
-
-
-def test_the_least_work_follows_the_quickest_recent_answers() -> None:
-    shedder = Shedder(max_in_flight=1000)
-    deadline_ms = 500
-    served(shedder, 150, WORK_MIN_SAMPLES - 1)  # too few answers: the constant
-    shedder.adapt()
-    assert shedder.least_work_ms == MIN_WORK_MS
-    # Answers of 150 ms at the quickest: a request with 130 ms left would be late.
-    served(shedder, 150, 50)
-    served(shedder, 400, 50)
-    shedder.adapt()
-    assert 150 <= shedder.least_work_ms < 160
-    assert shedder.refusal(waited(deadline_ms - 170), deadline_ms) is None
-    assert shedder.refusal(waited(deadline_ms - 130), deadline_ms) == ShedReason.LATE
-    # Never over half the deadline, whatever the answers took.
-    served(shedder, 450, 10_000)
-    shedder.adapt()
-    assert shedder.refusal(waited(deadline_ms / 2 - 20), deadline_ms) is None
-    assert shedder.refusal(waited(deadline_ms / 2 + 20), deadline_ms) == ShedReason.LATE
-    # Answers age out: WORK_WINDOWS windows without one, and the constant is back.
-    for _ in range(WORK_WINDOWS):
-        shedder.adapt()
-    assert shedder.least_work_ms == MIN_WORK_MS
-    # Quick answers (the response cache's hits) keep it at the constant.
-    served(shedder, 2, 10)
-    served(shedder, 200, 90)
-    shedder.adapt()
-    assert shedder.least_work_ms == MIN_WORK_MS
 
 
 def test_late_answers_of_a_busy_process_cut_its_in_flight_limit_and_on_time_ones_restore_it() -> (
@@ -178,3 +140,32 @@ def test_without_a_tcp_socket_arrival_is_now() -> None:
         before = time.monotonic()
         assert Shedder(max_in_flight=1).arrival({"gunicorn.socket": right}) >= before
     assert socket_wait_s(None) is None
+
+
+def answered(quickest: QuickestAnswers, took_ms: float, count: int) -> None:
+    for _ in range(count):
+        quickest.record(took_ms / 1000)
+
+
+def test_a_models_least_work_is_what_its_quickest_recent_answers_took() -> None:
+    clock = [1000.0]
+    quickest = QuickestAnswers(clock=lambda: clock[0])
+    answered(quickest, 150, WORK_MIN_SAMPLES - 1)
+    assert quickest.least_work_ms(500) == 0  # too few answers: not known
+    answered(quickest, 150, 50)
+    answered(quickest, 400, 50)
+    clock[0] += WORK_REFRESH_S
+    assert quickest.least_work_ms(500) == 150
+    # Never over half the model's deadline.
+    assert quickest.least_work_ms(200) == 100
+    # Old answers are forgotten, and a cheaper spell shows at the next refresh.
+    clock[0] += WORK_WINDOW_S + WORK_REFRESH_S
+    answered(quickest, 90, WORK_MIN_SAMPLES)
+    assert quickest.least_work_ms(500) == 90
+    clock[0] += WORK_WINDOW_S + WORK_REFRESH_S
+    assert quickest.least_work_ms(500) == 0
+    # Answers alone keep no more than a window of them.
+    for _ in range(30):
+        clock[0] += WORK_WINDOW_S / 10
+        answered(quickest, 100, 10)
+    assert len(quickest._answers) <= 11 * 10
