@@ -11,9 +11,9 @@ process that cannot start a request's work in time refuses it at once, before an
 - A request that has already waited its deadline less MIN_WORK_MS is refused.
 - Once its model is known, a request whose deadline has less left than that model's least
   work is refused too (QuickestAnswers): what the quickest of the model's recent answers in
-  this process took, from their view's start to their answer. Such a request would end 504: its call
-  on the GPU and the process's own path take longer. A request the response cache may answer
-  is not refused so.
+  this process took, from their view's start to their answer. Such a request would end 504:
+  its call on the GPU and the process's own path take longer. A request the response cache
+  may answer is never refused so.
 - A process holds at most WEB_MAX_IN_FLIGHT generating requests (docs/reliability.md: the
   sizing rule); one more is refused.
 - It holds fewer while it answers requests late. A request answered 504 (a stream's excepted:
