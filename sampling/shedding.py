@@ -17,12 +17,15 @@ process that cannot start a request's work in time refuses it at once, before an
 - A process holds at most WEB_MAX_IN_FLIGHT generating requests (docs/reliability.md: the
   sizing rule); one more is refused.
 - It holds fewer while it answers requests late. A request answered 504 (a stream's excepted:
-  its length is its own) was admitted by a process that could not finish it in time: its CPU
-  saturated, Redis slow to answer it, or its GPUs short or stalled.
-  Each ADAPT_WINDOW_S with a 504 while it holds LEAST_IN_FLIGHT requests or more cuts the
-  in-flight limit to CUT_SHARE of what it holds (no lower than that); a 504 of a request that
-  came before the last cut does not count; each window without one gives GROWTH_SHARE and
-  one request back.
+  its length is its own) counts when it spent OWN_DELAY_SHARE of its deadline in this process
+  before its batch had it: waiting for its view, for the event loop or for a Redis
+  connection, the signs of a saturated process. A 504 of a request that joined its batch at
+  once comes from the GPUs' queue (short or stalled GPUs, a deadline that holds few calls),
+  which fewer requests in flight would not shorten.
+  Each ADAPT_WINDOW_S with a counted 504 while it holds LEAST_IN_FLIGHT requests or more cuts
+  the in-flight limit to CUT_SHARE of what it holds (no lower than that); a 504 of a request
+  that came before the last cut does not count; each window without one gives GROWTH_SHARE
+  and one request back.
   The limit so settles where admitted requests end in time, on a slow machine as on a fast
   one, and a process that answers on time never refuses for it (TCP's congestion window,
   its 504s the losses). With WEB_MAX_IN_FLIGHT under LEAST_IN_FLIGHT it never moves.
@@ -45,6 +48,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from enum import StrEnum
 from typing import Any
 
@@ -64,6 +68,10 @@ CUT_SHARE = 0.7
 GROWTH_SHARE = 0.01
 # Under this many in flight a 504 says little of this process's load: no cut, and none below.
 LEAST_IN_FLIGHT = 64
+# A 504 says this process is saturated when its request spent this share of its deadline here
+# before it joined its batch (measured: under 30 ms of 500 when the GPUs' queue is the limit,
+# over 100 ms when the web processes' CPU is).
+OWN_DELAY_SHARE = 0.1
 # X-Request-Start values further from this process's clock than this are ignored (a clock
 # set wrong, a header of another hop): the request counts from its view, as without one.
 MAX_HEADER_SKEW_S = 60.0
@@ -79,6 +87,11 @@ _TCP_INFO_BYTES = 104
 # to a tick over the truth; less the coarsest tick, a request's wait is never overstated: it
 # is not refused or timed out early, at the price of counting up to 10 ms of a wait short.
 KERNEL_TICK_MS = 10
+
+
+# When the request this greenlet serves joined its batch (monotonic; None: not yet). Each
+# greenlet has its own value; a view sets None as it starts.
+JOINED_AT: ContextVar[float | None] = ContextVar("joined_at", default=None)
 
 
 class ShedReason(StrEnum):
@@ -138,10 +151,13 @@ class Shedder:
         self._late = 0  # requests answered 504 in this window
         self._cut_at = -math.inf  # monotonic: the last cut
 
-    def timed_out(self, arrival: float) -> None:
-        """A request of this process that arrived at `arrival` was answered 504. One admitted
-        before the last cut says nothing of the limit since (TCP: one cut a round trip)."""
-        if arrival > self._cut_at:
+    def timed_out(self, arrival: float, joined: float | None, deadline_ms: int) -> None:
+        """A request of this process that arrived at `arrival` and joined its batch at
+        `joined` (None: never) was answered 504. It counts when it spent OWN_DELAY_SHARE of
+        its deadline here before it joined, and came after the last cut: one admitted before
+        it says nothing of the limit since (TCP: one cut a round trip)."""
+        own_s = (time.monotonic() if joined is None else joined) - arrival
+        if arrival > self._cut_at and own_s * 1000 >= OWN_DELAY_SHARE * deadline_ms:
             self._late += 1
 
     def adapt(self) -> None:

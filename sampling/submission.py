@@ -38,7 +38,7 @@ from batching.stats import RequestStats
 from batching.topology import REDIS_FAULTS
 from inference_site.celery import app as celery_app
 from sampling import metrics
-from sampling.shedding import QuickestAnswers
+from sampling.shedding import JOINED_AT, QuickestAnswers
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +319,7 @@ def _join(
         trace = not isinstance(exc, REDIS_FAULTS)  # Redis away: one line, not a trace
         log.error("cannot reach Redis to queue a request: %r", exc, exc_info=trace)
         return unavailable()
+    JOINED_AT.set(time.monotonic())
     if joined.limited:
         return _limited(limiter.refused(caller, joined.counted, now_s))
     if joined.tickets[0].rejected:

@@ -33,7 +33,7 @@ from batching.topology import REDIS_FAULTS
 from sampling import metrics
 from sampling.responses import Invalid, openai_failure, openai_invalid
 from sampling.runtime import ServedModel, WebProcess, web_process
-from sampling.shedding import ShedReason
+from sampling.shedding import JOINED_AT, ShedReason
 from sampling.streams import Stream
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ def counted(handle: Handler, words: Words) -> View:
     def view(request: HttpRequest) -> HttpResponseBase:
         process = web_process()
         arrival = process.shedder.arrival(request.META)  # the deadline counts from here
+        JOINED_AT.set(None)  # a keep-alive connection's greenlet served requests before
         started = time.monotonic()
         shed = _shed(process, arrival)
         caller: Caller | Failure
@@ -147,7 +148,8 @@ def _count(
         process.shedder.in_flight -= 1
     latency_s = time.monotonic() - arrival
     if outcome == RequestOutcome.TIMEOUT and not in_flight:  # a stream's length is its own
-        process.shedder.timed_out(arrival)
+        deadline_ms = process.watcher.current.deadline_ms
+        process.shedder.timed_out(arrival, JOINED_AT.get(), deadline_ms)
     key_id = 0 if isinstance(caller, Failure) else caller.key_id
     tier = "" if isinstance(caller, Failure) else caller.tier
     (model or process.default).stats.record(outcome, latency_s, key_id=key_id, tier=tier)

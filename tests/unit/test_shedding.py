@@ -11,9 +11,11 @@ import pytest
 
 from sampling.shedding import (
     CUT_SHARE,
+    JOINED_AT,
     LEAST_IN_FLIGHT,
     MAX_HEADER_SKEW_S,
     MIN_WORK_MS,
+    OWN_DELAY_SHARE,
     WORK_MIN_SAMPLES,
     WORK_REFRESH_S,
     WORK_WINDOW_S,
@@ -68,14 +70,14 @@ def test_late_answers_of_a_busy_process_cut_its_in_flight_limit_and_on_time_ones
     None
 ):
     shedder = Shedder(max_in_flight=1000)
-    now = time.monotonic()
+    now = time.monotonic() - 1  # arrived a second ago, never joined: all its time was here
     shedder.in_flight = 400
-    shedder.timed_out(now)
+    shedder.timed_out(now, None, 500)
     shedder.adapt()
     assert shedder.limit == pytest.approx(400 * CUT_SHARE)
     assert shedder.refusal(time.monotonic(), 500) == ShedReason.IN_FLIGHT
     # A 504 of a request admitted before the cut says nothing of the limit since.
-    shedder.timed_out(now)
+    shedder.timed_out(now, None, 500)
     shedder.adapt()
     assert shedder.limit > 400 * CUT_SHARE
     # Windows without one give the limit back, up to WEB_MAX_IN_FLIGHT.
@@ -89,12 +91,13 @@ def test_late_answers_of_a_busy_process_cut_its_in_flight_limit_and_on_time_ones
 def test_a_504_of_a_process_that_holds_few_requests_cuts_nothing() -> None:
     shedder = Shedder(max_in_flight=1000)
     shedder.in_flight = LEAST_IN_FLIGHT - 1  # a stalled GPU's 504s, not this process's load
-    shedder.timed_out(time.monotonic())
+    shedder.timed_out(time.monotonic() - 1, None, 500)
     shedder.adapt()
     assert shedder.limit == 1000
     shedder.in_flight = LEAST_IN_FLIGHT
     for _ in range(50):  # a busy process's 504s, window after window: never under the least
-        shedder.timed_out(time.monotonic())
+        arrival = time.monotonic()  # after the last cut, and 60 ms here before it joined
+        shedder.timed_out(arrival, arrival + 0.06, 500)
         shedder.adapt()
     assert shedder.limit == LEAST_IN_FLIGHT
 
@@ -169,3 +172,35 @@ def test_a_models_least_work_is_what_its_quickest_recent_answers_took() -> None:
         clock[0] += WORK_WINDOW_S / 10
         answered(quickest, 100, 10)
     assert len(quickest._answers) <= 11 * 10
+
+
+def test_a_504_of_a_request_that_joined_its_batch_at_once_cuts_nothing() -> None:
+    """A slow GPU queue's 504: fewer requests in flight would not have made it on time."""
+    deadline_ms = 500
+    own_ms = OWN_DELAY_SHARE * deadline_ms
+    shedder = Shedder(max_in_flight=1000)
+    shedder.in_flight = 400
+    arrival = time.monotonic() - deadline_ms / 1000
+    shedder.timed_out(arrival, arrival + (own_ms - 5) / 1000, deadline_ms)
+    shedder.adapt()
+    assert shedder.limit == 1000
+    # One that spent a tenth of its deadline here before it joined: this process is saturated.
+    arrival = time.monotonic() - deadline_ms / 1000
+    shedder.timed_out(arrival, arrival + (own_ms + 5) / 1000, deadline_ms)
+    shedder.adapt()
+    assert shedder.limit == pytest.approx(400 * CUT_SHARE)
+
+
+def test_each_greenlet_sees_only_its_own_requests_join() -> None:
+    """JOINED_AT is a context variable: gevent's greenlets (one per connection) keep their
+    own, so one request's join never times another's."""
+
+    def serve(joined: float) -> float | None:
+        JOINED_AT.set(joined)
+        gevent.sleep(0.01)  # the other greenlet runs and sets its own
+        return JOINED_AT.get()
+
+    first, second = gevent.spawn(serve, 1.0), gevent.spawn(serve, 2.0)
+    gevent.joinall([first, second])
+    assert (first.value, second.value) == (1.0, 2.0)
+    assert JOINED_AT.get() is None
