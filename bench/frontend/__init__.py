@@ -9,7 +9,8 @@ sampler and gunicorn, then measures and prints a markdown table of:
   1. single-request latency (sequential requests) against SIMULATED_BATCH_MS;
   2. front-end CPU ms per request (gunicorn master + workers, from /proc) on the full
      /sample path, on /v1/completions with one prompt (JSON in and out, as the openai client
-     sends it), and on a bare Django view served the same way (/healthz), same load;
+     sends it), on a bare Django view served the same way (/healthz), same load, and on a
+     /sample refused as late (a 503 before any Redis call, its X-Request-Start 5 s old);
   3. the deadline's accuracy: 504 latency minus the deadline, sequential, the queue's one
      worker stalled (it heartbeats and takes no batch: bench.harness.stalled);
   4. simultaneous waits one node (2 processes) holds: N requests sent over 1.5 s to a queue

@@ -45,8 +45,10 @@ def closed_loop(
     concurrency: int,
     check: bool,
     headers: dict[str, str] | None = None,
+    status: int = 200,
 ) -> float:
-    """Send `requests` requests with `concurrency` in flight; return wall seconds."""
+    """Send `requests` requests with `concurrency` in flight, each to be answered `status`;
+    return wall seconds."""
     pool = Pool(concurrency)
     errors: list[str] = []
 
@@ -54,11 +56,11 @@ def closed_loop(
         prompt = f"bench {i} {uuid.uuid4().hex[:8]}"
         protocol = PROTOCOLS.get(path)  # None: a GET of a bare view
         payload = protocol.body(prompt) if protocol else None
-        status, body, _ = one(port, path, payload, headers=headers)
-        text = protocol.answer(body.encode()) if protocol and status == 200 else None
+        answered, body, _ = one(port, path, payload, headers=headers)
+        text = protocol.answer(body.encode()) if protocol and answered == 200 else None
         wrong = check and text is not None and text != expected_completion(prompt)
-        if status != 200 or wrong:
-            errors.append(f"{status} {body[:80]}")
+        if answered != status or wrong:
+            errors.append(f"{answered} {body[:80]}")
 
     started = time.perf_counter()
     pool.map(task, range(requests))

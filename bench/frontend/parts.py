@@ -15,6 +15,8 @@ from bench.harness.stalled import StalledWorker
 from bench.harness.stats import percentile
 from workers.samplers.simulated import expected_completion
 
+REFUSED = "/sample refused"  # part 2's name for a /sample that waited past its deadline
+
 Rows = list[tuple[str, str]]
 
 
@@ -53,22 +55,29 @@ def single_latency(service: Stack, sequential: int, batch_ms: int) -> Rows:
 
 
 def cpu_per_request(service: Stack, rounds: int, cpu_requests: int) -> Rows:
-    """2. Front-end CPU per request: the full path, a bare view and the OpenAI-compatible
-    endpoint (one prompt), alternating rounds."""
+    """2. Front-end CPU per request: the full path, a bare view, the OpenAI-compatible
+    endpoint (one prompt) and a /sample refused as late (its X-Request-Start 5 s old: a
+    `503` before any Redis call, what an overloaded node pays for each request it cannot
+    serve), alternating rounds."""
     assert service.web is not None
-    paths = ("/healthz", "/sample", COMPLETIONS)
+    paths = ("/healthz", "/sample", COMPLETIONS, REFUSED)
     per_request: dict[str, list[float]] = {path: [] for path in paths}
     rates: dict[str, list[float]] = {path: [] for path in paths}
     for _ in range(rounds):
         for path in paths:
             before = cpu_seconds(service.web.pid)
-            wall = closed_loop(service.port, path, cpu_requests, 50, check=True)
+            if path == REFUSED:
+                late = {"X-Request-Start": f"t={time.time() - 5:.6f}"}
+                wall = closed_loop(service.port, "/sample", cpu_requests, 50, True, late, 503)
+            else:
+                wall = closed_loop(service.port, path, cpu_requests, 50, check=True)
             used = cpu_seconds(service.web.pid) - before
             per_request[path].append(used / cpu_requests * 1000)
             rates[path].append(cpu_requests / wall)
     full = statistics.median(per_request["/sample"])
     bare = statistics.median(per_request["/healthz"])
     api = statistics.median(per_request[COMPLETIONS])
+    refused = statistics.median(per_request[REFUSED])
     return [
         ("front-end CPU per request, /sample (ms)", f"{full:.2f}"),
         ("front-end CPU per request, bare view /healthz (ms)", f"{bare:.2f}"),
@@ -79,6 +88,8 @@ def cpu_per_request(service: Stack, rounds: int, cpu_requests: int) -> Rows:
             "  (/sample throughput in that test, req/s)",
             f"{statistics.median(rates['/sample']):.0f}",
         ),
+        ("front-end CPU per request, /sample refused late, 503 (ms)", f"{refused:.2f}"),
+        ("ratio refused / served /sample", f"{refused / full:.2f}"),
     ]
 
 
