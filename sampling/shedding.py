@@ -17,9 +17,10 @@ process that cannot start a request's work in time refuses it at once, before an
 - A process holds at most WEB_MAX_IN_FLIGHT generating requests (docs/reliability.md: the
   sizing rule); one more is refused.
 - It holds fewer while it answers requests late. A request answered 504 (a stream's excepted:
-  its length is its own) counts when it spent OWN_DELAY_SHARE of its deadline in this process
-  before its batch had it: waiting for its view, for the event loop or for a Redis
-  connection, the signs of a saturated process. A 504 of a request that joined its batch at
+  its length is its own) counts when it spent OWN_DELAY_SHARE of its deadline from its
+  arrival until its batch had it: mostly waiting for its view, for the event loop or for a
+  Redis connection, the signs of a saturated process (with `X-Request-Start`, a proxy's queue
+  and a slow client's body count too). A 504 of a request that joined its batch at
   once comes from the GPUs' queue (short or stalled GPUs, a deadline that holds few calls),
   which fewer requests in flight would not shorten.
   Each ADAPT_WINDOW_S with a counted 504 while it holds LEAST_IN_FLIGHT requests or more cuts

@@ -319,7 +319,6 @@ def _join(
         trace = not isinstance(exc, REDIS_FAULTS)  # Redis away: one line, not a trace
         log.error("cannot reach Redis to queue a request: %r", exc, exc_info=trace)
         return unavailable()
-    JOINED_AT.set(time.monotonic())
     if joined.limited:
         return _limited(limiter.refused(caller, joined.counted, now_s))
     if joined.tickets[0].rejected:
@@ -338,6 +337,7 @@ def _join(
         # The MULTI's raise passed the limit (other processes counted meanwhile): not served.
         limiter.give_back(counter.key, cost)
         return _limited(limiter.refused(caller, joined.counted - cost, now_s))
+    JOINED_AT.set(time.monotonic())  # its batches have it, dispatched
     return joined.tickets
 
 

@@ -148,7 +148,7 @@ def _count(
         process.shedder.in_flight -= 1
     latency_s = time.monotonic() - arrival
     if outcome == RequestOutcome.TIMEOUT and not in_flight:  # a stream's length is its own
-        deadline_ms = process.watcher.current.deadline_ms
+        deadline_ms = (model or process.default).watcher.current.deadline_ms
         process.shedder.timed_out(arrival, JOINED_AT.get(), deadline_ms)
     key_id = 0 if isinstance(caller, Failure) else caller.key_id
     tier = "" if isinstance(caller, Failure) else caller.tier
