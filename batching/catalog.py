@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -140,20 +141,28 @@ class Alias:
     def pick(self, sticky: str = "") -> str | None:
         """The target model of a request: by weight, the same one for the same `sticky`
         (an API key, or the request's `user`), at random without one; None when every
-        weight is 0."""
+        weight is 0. A sticky choice is weighted rendezvous hashing: each target scores
+        `weight / -ln(u)`, `u` a hash of the alias, `sticky` and the target in (0, 1), and the
+        highest score wins. So a weight change moves only the users it must: a target whose
+        weight rises only gains users, and a target removed or set to 0 loses only its own."""
         total = self.total_weight
         if total <= 0:
             return None
         if sticky:
-            digest = hashlib.sha256(f"{self.name}\0{sticky}".encode()).digest()
-            point = int.from_bytes(digest[:8], "big") % total
-        else:
-            point = random.randrange(total)  # noqa: S311 - a traffic split, not a secret
+            live = [target for target in self.targets if target.weight > 0]
+            return max(live, key=lambda target: self._score(target, sticky)).model
+        point = random.randrange(total)  # noqa: S311 - a traffic split, not a secret
         for target in self.targets:
             if point < target.weight:
                 return target.model
             point -= target.weight
         raise AssertionError("unreachable: point < total")  # pragma: no cover
+
+    def _score(self, target: Target, sticky: str) -> float:
+        digest = hashlib.sha256(f"{self.name}\0{sticky}\0{target.model}".encode()).digest()
+        # 52 bits, so that n + 0.5 is exact in a float: `unit` is in (0, 1), never 0 or 1.
+        unit = ((int.from_bytes(digest[:8], "big") >> 12) + 0.5) / 2**52
+        return target.weight / -math.log(unit)
 
 
 @dataclass(frozen=True)

@@ -107,3 +107,49 @@ def test_a_catalog_without_batch_factors_reads_with_the_default_and_a_bad_one_is
     assert Catalog.from_json(Catalog.of([ModelEntry("m")]).to_json()).models["m"] == ModelEntry("m")
     with pytest.raises(ValueError, match="batch price factor"):
         Catalog.from_json(Catalog.of([ModelEntry("m", batch_price_factor="1.5")]).to_json())
+
+
+def _moves(before: Alias, after: Alias, keys: int = 5000) -> Counter[tuple[str, str]]:
+    """How many of `keys` API keys each change of split moves, by (from, to)."""
+    moved: Counter[tuple[str, str]] = Counter()
+    for key_id in range(keys):
+        old, new = before.pick(f"key:{key_id}"), after.pick(f"key:{key_id}")
+        assert old is not None and new is not None
+        if old != new:
+            moved[(old, new)] += 1
+    return moved
+
+
+def test_raising_a_canarys_weight_moves_only_the_users_it_needs_to_the_canary() -> None:
+    """90/10 to 90/20: the canary's share goes from 10% to 18.2%, so about 8% of the users
+    move, every one of them from the baseline to the canary."""
+    raised = Alias("chat", (Target("chat-v1", 90), Target("chat-v2", 20, canary=True)))
+    moved = _moves(SPLIT, raised)
+    assert set(moved) == {("chat-v1", "chat-v2")}
+    assert 0.06 * 5000 <= moved.total() <= 0.10 * 5000
+
+
+def test_shifting_weight_between_two_targets_moves_the_shifted_share() -> None:
+    shifted = Alias("chat", (Target("chat-v1", 80), Target("chat-v2", 20, canary=True)))
+    moved = _moves(SPLIT, shifted)
+    assert set(moved) == {("chat-v1", "chat-v2")}
+    assert 0.09 * 5000 <= moved.total() <= 0.12 * 5000
+
+
+def test_removing_or_zeroing_one_of_three_targets_moves_only_its_users() -> None:
+    three = Alias("chat", (Target("a", 50), Target("b", 30), Target("c", 20)))
+    for gone in (
+        Alias("chat", (Target("a", 50), Target("c", 20))),
+        Alias("chat", (Target("a", 50), Target("b", 0), Target("c", 20))),
+    ):
+        moved = _moves(three, gone)
+        assert moved and {source for source, _ in moved} == {"b"}
+        # Its users spread over the others by their weights (a 5:2 split of about 1,500).
+        assert moved[("b", "a")] > moved[("b", "c")] > 0
+
+
+def test_each_target_of_a_sticky_split_gets_its_weights_share() -> None:
+    three = Alias("chat", (Target("a", 50), Target("b", 30), Target("c", 20)))
+    picks = Counter(three.pick(f"user:{n}") for n in range(20_000))
+    for model, share in (("a", 0.5), ("b", 0.3), ("c", 0.2)):
+        assert abs(picks[model] / 20_000 - share) < 0.015
