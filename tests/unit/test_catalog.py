@@ -114,7 +114,8 @@ def _moves(before: Alias, after: Alias, keys: int = 5000) -> Counter[tuple[str, 
     moved: Counter[tuple[str, str]] = Counter()
     for key_id in range(keys):
         old, new = before.pick(f"key:{key_id}"), after.pick(f"key:{key_id}")
-        assert old is not None and new is not None
+        assert old is not None
+        assert new is not None
         if old != new:
             moved[(old, new)] += 1
     return moved
@@ -143,7 +144,8 @@ def test_removing_or_zeroing_one_of_three_targets_moves_only_its_users() -> None
         Alias("chat", (Target("a", 50), Target("b", 0), Target("c", 20))),
     ):
         moved = _moves(three, gone)
-        assert moved and {source for source, _ in moved} == {"b"}
+        assert moved
+        assert {source for source, _ in moved} == {"b"}
         # Its users spread over the others by their weights (a 5:2 split of about 1,500).
         assert moved[("b", "a")] > moved[("b", "c")] > 0
 
