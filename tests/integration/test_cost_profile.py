@@ -90,6 +90,10 @@ def test_a_lone_call_and_a_call_of_100_take_the_report_s_times(costly: Stack) ->
     assert abs(took - report_ms(100)) <= 0.1 * report_ms(100), full[0]
 
 
+# Runs of the stream-pace measure at most (test_a_stream_s_tokens_come_at_the_profile_s_pace).
+MEASURES = 3
+
+
 def test_a_stream_s_tokens_come_at_the_profile_s_pace(costly: Stack) -> None:
     """One stream alone, a chunk a token (deltas every 1 ms at most): the gaps between its
     chunks are the profile's step, as the client reads them (their median)."""
@@ -108,6 +112,11 @@ def test_a_stream_s_tokens_come_at_the_profile_s_pace(costly: Stack) -> None:
         gaps = [(b - a) * 1000 for a, b in itertools.pairwise(arrivals)]
         return statistics.median(gaps)
 
-    # A burst of another test's work on the shared cores can bunch one stream's chunks.
-    medians = [median_gap() for _ in range(5)]
+    # A burst of another test's work on the shared cores can bunch one stream's chunks, and
+    # a busy stretch can bunch several streams': up to MEASURES runs of 5, the first that
+    # keeps the pace judged (a pace that is wrong fails every run).
+    for _ in range(MEASURES):
+        medians = [median_gap() for _ in range(5)]
+        if abs(statistics.median(medians) - step_ms) <= 0.1 * step_ms:
+            break
     assert abs(statistics.median(medians) - step_ms) <= 0.1 * step_ms, (medians, step_ms)
