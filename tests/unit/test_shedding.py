@@ -6,6 +6,7 @@ import socket
 import time
 from collections.abc import Iterator
 
+import gevent.event
 import gevent.socket
 import pytest
 
@@ -195,12 +196,22 @@ def test_each_greenlet_sees_only_its_own_requests_join() -> None:
     """JOINED_AT is a context variable: gevent's greenlets (one per connection) keep their
     own, so one request's join never times another's."""
 
-    def serve(joined: float) -> float | None:
-        JOINED_AT.set(joined)
-        gevent.sleep(0.01)  # the other greenlet runs and sets its own
+    first_set, second_set = gevent.event.Event(), gevent.event.Event()
+
+    def first() -> float | None:
+        JOINED_AT.set(1.0)
+        first_set.set()
+        second_set.wait()  # the other greenlet has set its own meanwhile
         return JOINED_AT.get()
 
-    first, second = gevent.spawn(serve, 1.0), gevent.spawn(serve, 2.0)
-    gevent.joinall([first, second])
-    assert (first.value, second.value) == (1.0, 2.0)
+    def second() -> float | None:
+        first_set.wait()
+        JOINED_AT.set(2.0)
+        second_set.set()
+        return JOINED_AT.get()
+
+    greenlets = [gevent.spawn(first), gevent.spawn(second)]
+    gevent.joinall(greenlets)
+    first_value, second_value = (greenlet.value for greenlet in greenlets)
+    assert (first_value, second_value) == (1.0, 2.0)
     assert JOINED_AT.get() is None
