@@ -1,19 +1,31 @@
-"""When a canary is worse than its baseline: the rule that rolls a new version back.
+"""When a canary is worse than its baseline: a sequential test that stays right however often
+it is looked at.
 
-An alias's target marked as a canary is compared with the alias's other targets that take
-traffic (its baseline), over the last `window_s` seconds of their statistics (every web
-process's counts, flushed each second; batching.stats). For each, of the requests that
-reached the model (all but those refused before a batch: bad requests, no valid key, over a
-rate limit), the **on-time rate** is the share answered 200 within the deadline, and the
-**error rate** the share that ended in a 5xx of the service's own (a failed sampler or row,
-Redis or the broker away, no live worker).
+An alias's target marked as a canary runs a **trial** against the alias's other targets that
+take traffic (its baseline). The trial adds up both sides' statistics one 10-second bucket at a
+time (a `cluster`: batching.stats's buckets, which every web process's counts reach within a
+second or two). Only quality outcomes count, of the requests that reached a batch:
+- the **late rate**: the share that got a 504 (no answer within the deadline);
+- the **error rate**: the share that ended in a 5xx of the service's own (a failed sampler or
+  row, Redis or the broker away).
+Capacity refusals (admission's 503s and the 503s of a target with no live worker) are counted
+apart: they say the canary lacks capacity, not that its version is worse, so they pause its
+ramp and never roll it back.
 
-The canary is worse when, with at least `min_requests` requests on each side, its on-time rate
-is below the baseline's, or its error rate above it, by more than `margin`, and the
-difference is significant: a one-sided two-proportion z-test (pooled) with z above `z`
-(3.0: about one chance in 740 that a canary as good as its baseline is rolled back by chance
-at one look). Both conditions at once: the margin keeps a small, real difference from
-rolling back a canary; the test keeps noise on few requests from doing it.
+Requests end in whole batches (one slow call makes up to 100 late at once), so their outcomes
+are not independent. The variance of each rate is therefore estimated from the clusters (the
+ratio estimator's: a burst inflates its own variance), never below the binomial one.
+
+The test is a mixture sequential probability ratio test (mSPRT): for each measure, the evidence
+that the canary is worse than its baseline by more than `margin`, a normal mixture of scale
+`spread` over the difference. It may be computed after every cluster for the trial's whole life:
+a canary as good as its baseline (worse by `margin` at most) is rolled back with probability at
+most `false_rollback`, however long the trial runs and however often it is judged. Both
+measures share that budget (half each).
+
+Every formula here takes plain numbers or numpy arrays alike (`log` and `maximum` are passed
+in), so that the simulation test (tests/unit/test_canary_simulation.py) judges a thousand
+canary-days with this very code.
 
 Django-free: statistics in, a verdict out.
 """
@@ -21,116 +33,227 @@ Django-free: statistics in, a verdict out.
 from __future__ import annotations
 
 import math
-from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import redis
 
 from batching import stats
 from batching.outcomes import RequestOutcome
 
-# The outcomes of requests that reached the model: all but those refused before any batch.
-REACHED_THE_MODEL = (
-    RequestOutcome.OK,
-    RequestOutcome.TIMEOUT,
-    RequestOutcome.ERROR,
-    RequestOutcome.REJECTED,
-)
+# One cluster: a 10-second statistics bucket (kept 2 hours in Redis).
+CLUSTER_S = stats.TEN_SECONDS
+# The two quality measures, each a share of the requests that reached a batch.
+LATE, ERRORS = "late", "errors"
+MEASURES = (LATE, ERRORS)
+# The trial's states, as the stats page and the registry's history say them.
+TOO_EARLY = "too early"  # fewer requests or clusters than a verdict needs
+WATCHING = "watching"  # no evidence that the canary is worse
+PAUSED = "paused"  # capacity refusals in the last minute: its ramp waits
+WORSE = "worse"  # rolled back
 
 
 @dataclass(frozen=True)
 class Rule:
-    window_s: int = 60
-    min_requests: int = 200
-    margin: float = 0.05
-    z: float = 3.0
+    margin: float = 0.01  # the difference tolerated: worse by more than this is worse
+    false_rollback: float = 0.01  # a good canary's chance of ever being rolled back
+    min_requests: int = 200  # the canary's quality requests before any verdict
+    min_clusters: int = 30  # 10 s clusters on each side before any verdict (5 minutes)
+    spread: float = 0.03  # the mixture's scale: the size of difference the test looks for
+
+    @property
+    def threshold(self) -> float:
+        """The log evidence that rolls back: ln(1 / (false_rollback / measures))."""
+        return math.log(len(MEASURES) / self.false_rollback)
 
 
 @dataclass(frozen=True)
-class Arm:
-    """One side of the comparison: requests that reached the model, and how they ended."""
+class Cluster:
+    """One 10 s bucket of one side: its quality requests and how many went wrong, and its
+    capacity refusals."""
 
     requests: int = 0
-    on_time: int = 0
+    late: int = 0
     errors: int = 0
+    refused: int = 0
 
     @classmethod
-    def of(cls, counts: Counter[str]) -> Arm:
-        summary = stats.Summary(counts, 1)
-        return cls(
-            sum(summary.requests(outcome) for outcome in REACHED_THE_MODEL),
-            summary.requests(RequestOutcome.OK),
-            summary.requests(RequestOutcome.ERROR),
-        )
+    def of(cls, counts: Mapping[str, int]) -> Cluster:
+        no_worker = counts.get(stats.NO_WORKER, 0)
+        errors = counts.get("req:" + RequestOutcome.ERROR, 0) - no_worker
+        late = counts.get("req:" + RequestOutcome.TIMEOUT, 0)
+        on_time = counts.get("req:" + RequestOutcome.OK, 0)
+        refused = counts.get("req:" + RequestOutcome.REJECTED, 0) + no_worker
+        return cls(on_time + late + errors, late, errors, refused)
 
-    def __add__(self, other: Arm) -> Arm:
-        return Arm(
+    def __add__(self, other: Cluster) -> Cluster:
+        return Cluster(
             self.requests + other.requests,
-            self.on_time + other.on_time,
+            self.late + other.late,
             self.errors + other.errors,
+            self.refused + other.refused,
         )
 
-    def rate(self, count: int) -> float:
-        return count / self.requests if self.requests else 0.0
+    def bad(self, measure: str) -> int:
+        return self.late if measure == LATE else self.errors
 
-    def as_json(self) -> dict[str, float]:
+
+@dataclass(frozen=True)
+class Sums:
+    """One side's running sums for one measure, over its clusters: what the cluster-robust
+    variance of its rate needs. Each field may be a number or a numpy array."""
+
+    clusters: Any = 0  # clusters with at least one request
+    requests: Any = 0
+    bad: Any = 0
+    requests_sq: Any = 0  # the sum of each cluster's requests squared
+    cross: Any = 0  # the sum of requests x bad
+    bad_sq: Any = 0
+
+    def plus(self, requests: int, bad: int) -> Sums:
+        if not requests:
+            return self
+        return Sums(
+            self.clusters + 1,
+            self.requests + requests,
+            self.bad + bad,
+            self.requests_sq + requests * requests,
+            self.cross + requests * bad,
+            self.bad_sq + bad * bad,
+        )
+
+    def rate(self) -> Any:
+        return self.bad / self.requests
+
+    def variance(self, maximum: Callable[[Any, Any], Any] = max) -> Any:
+        """The variance of `rate()`: the ratio estimator's over the clusters, and at least the
+        binomial variance (of a rate smoothed off 0 and 1)."""
+        n, k, rate = self.requests, self.clusters, self.rate()
+        residuals = self.bad_sq - 2 * rate * self.cross + rate * rate * self.requests_sq
+        clustered = residuals / (n * n) * k / (k - 1)
+        smoothed = (self.bad + 0.5) / (n + 1)
+        return maximum(clustered, smoothed * (1 - smoothed) / n)
+
+
+def log_evidence(
+    canary: Sums,
+    baseline: Sums,
+    rule: Rule,
+    log: Callable[[Any], Any] = math.log,
+    maximum: Callable[[Any, Any], Any] = max,
+) -> Any:
+    """The mSPRT's log likelihood ratio that the canary's rate exceeds the baseline's by more
+    than `rule.margin` (normal mixture of scale `rule.spread`; below 0 when it does not)."""
+    variance = canary.variance(maximum) + baseline.variance(maximum)
+    excess = maximum(canary.rate() - baseline.rate() - rule.margin, 0.0)
+    mixture = rule.spread * rule.spread
+    return 0.5 * log(variance / (variance + mixture)) + mixture * excess * excess / (
+        2 * variance * (variance + mixture)
+    )
+
+
+def ready(canary: Sums, baseline: Sums, rule: Rule) -> Any:
+    """Whether both sides have the clusters, and the canary the requests, a verdict needs."""
+    return (
+        (canary.clusters >= rule.min_clusters)
+        & (baseline.clusters >= rule.min_clusters)
+        & (canary.requests >= rule.min_requests)
+    )
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One measure's figures at one look."""
+
+    measure: str
+    canary_rate: float
+    baseline_rate: float
+    log_evidence: float
+
+    def as_json(self) -> dict[str, Any]:
         return {
-            "requests": self.requests,
-            "on_time_rate": round(self.rate(self.on_time), 4),
-            "error_rate": round(self.rate(self.errors), 4),
+            "measure": self.measure,
+            "canary_rate": round(self.canary_rate, 4),
+            "baseline_rate": round(self.baseline_rate, 4),
+            "log_evidence": round(self.log_evidence, 2),
         }
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """Why a canary is rolled back: the measure, both arms' figures and the test's z."""
+class Trial:
+    """A canary's trial so far: both sides' sums per measure, and its recent refusals."""
 
-    measure: str  # "on-time rate" or "error rate"
-    canary: Arm
-    baseline: Arm
-    z: float
+    canary: dict[str, Sums] = field(default_factory=lambda: dict.fromkeys(MEASURES, Sums()))
+    baseline: dict[str, Sums] = field(default_factory=lambda: dict.fromkeys(MEASURES, Sums()))
+    refused: tuple[int, ...] = ()  # the canary's capacity refusals, last 6 clusters
 
-    def summary(self) -> str:
-        c, b = self.canary, self.baseline
-        if self.measure == "on-time rate":
-            ours, theirs = c.rate(c.on_time), b.rate(b.on_time)
-        else:
-            ours, theirs = c.rate(c.errors), b.rate(b.errors)
-        return (
-            f"{self.measure} {ours:.1%} of {c.requests:,} requests against the baseline's "
-            f"{theirs:.1%} of {b.requests:,} (z = {self.z:.1f})"
+    def plus(self, canary: Cluster, baseline: Cluster) -> Trial:
+        return Trial(
+            {m: s.plus(canary.requests, canary.bad(m)) for m, s in self.canary.items()},
+            {m: s.plus(baseline.requests, baseline.bad(m)) for m, s in self.baseline.items()},
+            (*self.refused, canary.refused)[-6:],
+        )
+
+    def readings(self, rule: Rule) -> list[Reading]:
+        found = []
+        for measure in MEASURES:
+            ours, theirs = self.canary[measure], self.baseline[measure]
+            if ours.clusters < 2 or theirs.clusters < 2:
+                continue
+            evidence = log_evidence(ours, theirs, rule) if ready(ours, theirs, rule) else 0.0
+            found.append(Reading(measure, ours.rate(), theirs.rate(), evidence))
+        return found
+
+    def state(self, rule: Rule) -> str:
+        readings = self.readings(rule)
+        if any(reading.log_evidence >= rule.threshold for reading in readings):
+            return WORSE
+        if sum(self.refused):
+            return PAUSED
+        if not ready(self.canary[LATE], self.baseline[LATE], rule):
+            return TOO_EARLY
+        return WATCHING
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "canary": {m: asdict(s) for m, s in self.canary.items()},
+            "baseline": {m: asdict(s) for m, s in self.baseline.items()},
+            "refused": list(self.refused),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Trial:
+        if not data:
+            return cls()
+        return cls(
+            {m: Sums(**data["canary"][m]) for m in MEASURES},
+            {m: Sums(**data["baseline"][m]) for m in MEASURES},
+            tuple(data.get("refused", ())),
         )
 
 
-def z_score(successes_a: int, total_a: int, successes_b: int, total_b: int) -> float:
-    """How many standard errors a's proportion is above b's (pooled two-proportion test)."""
-    if not total_a or not total_b:
-        return 0.0
-    pooled = (successes_a + successes_b) / (total_a + total_b)
-    spread = math.sqrt(pooled * (1 - pooled) * (1 / total_a + 1 / total_b))
-    difference = successes_a / total_a - successes_b / total_b
-    if spread == 0:
-        return 0.0 if difference == 0 else math.copysign(math.inf, difference)
-    return difference / spread
+def summary(trial: Trial, rule: Rule) -> str:
+    """One line for the history and the log: each measure's rates and evidence."""
+    parts = [
+        f"{r.measure} {r.canary_rate:.1%} against {r.baseline_rate:.1%} "
+        f"(log evidence {r.log_evidence:.1f} of {rule.threshold:.1f})"
+        for r in trial.readings(rule)
+    ]
+    requests = trial.canary[LATE].requests
+    return f"{'; '.join(parts) or 'no figures yet'} over {requests:,} requests"
 
 
-def verdict(canary: Arm, baseline: Arm, rule: Rule) -> Verdict | None:
-    """The reason to roll `canary` back, or None (not worse, or too few requests to tell)."""
-    if canary.requests < rule.min_requests or baseline.requests < rule.min_requests:
-        return None
-    late_z = z_score(baseline.on_time, baseline.requests, canary.on_time, canary.requests)
-    late_by = baseline.rate(baseline.on_time) - canary.rate(canary.on_time)
-    if late_by > rule.margin and late_z > rule.z:
-        return Verdict("on-time rate", canary, baseline, late_z)
-    error_z = z_score(canary.errors, canary.requests, baseline.errors, baseline.requests)
-    errors_by = canary.rate(canary.errors) - baseline.rate(baseline.errors)
-    if errors_by > rule.margin and error_z > rule.z:
-        return Verdict("error rate", canary, baseline, error_z)
-    return None
-
-
-def arm_of(client: redis.Redis, model: str, window_s: int, now_s: float) -> Arm:
-    """A model's requests over the last `window_s` whole seconds."""
-    current = int(now_s)
-    buckets = stats.read_buckets(client, model, stats.SECOND, current - window_s, current)
-    return Arm.of(stats.merge(counts for _, counts in buckets))
+def clusters_of(client: redis.Redis, models: list[str], first_s: int, last_s: int) -> list[Cluster]:
+    """The clusters starting from `first_s` to `last_s` (both included) of `models` together
+    (a baseline may have several): one pipeline per model."""
+    if last_s < first_s:
+        return []
+    total = [Cluster()] * ((last_s - first_s) // CLUSTER_S + 1)
+    for model in models:
+        buckets = stats.read_buckets(client, model, CLUSTER_S, first_s, last_s + 1)
+        total = [
+            cluster + Cluster.of(counts)
+            for cluster, (_, counts) in zip(total, buckets, strict=True)
+        ]
+    return total

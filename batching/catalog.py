@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from decimal import Decimal, InvalidOperation
 from functools import cached_property
@@ -138,21 +138,24 @@ class Alias:
     def total_weight(self) -> int:
         return sum(target.weight for target in self.targets)
 
-    def pick(self, sticky: str = "") -> str | None:
+    def pick(self, sticky: str = "", usable: Callable[[str], bool] | None = None) -> str | None:
         """The target model of a request: by weight, the same one for the same `sticky`
         (an API key, or the request's `user`), at random without one; None when every
         weight is 0. A sticky choice is weighted rendezvous hashing: each target scores
         `weight / -ln(u)`, `u` a hash of the alias, `sticky` and the target in (0, 1), and the
         highest score wins. So a weight change moves only the users it must: a target whose
-        weight rises only gains users, and a target removed or set to 0 loses only its own."""
-        total = self.total_weight
-        if total <= 0:
+        weight rises only gains users, and a target removed or set to 0 loses only its own.
+        `usable` (failover) leaves out the targets it refuses while another is left: a user
+        of a refused target goes to its next-highest score, and comes back after."""
+        live = [target for target in self.targets if target.weight > 0]
+        if usable is not None and len(live) > 1:
+            live = [target for target in live if usable(target.model)] or live
+        if not live:
             return None
         if sticky:
-            live = [target for target in self.targets if target.weight > 0]
             return max(live, key=lambda target: self._score(target, sticky)).model
-        point = random.randrange(total)  # noqa: S311 - a traffic split, not a secret
-        for target in self.targets:
+        point = random.randrange(sum(target.weight for target in live))  # noqa: S311 - a split
+        for target in live:
             if point < target.weight:
                 return target.model
             point -= target.weight

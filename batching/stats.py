@@ -68,6 +68,12 @@ CACHED_TOKENS = "cpt"
 # exact for any price of 6 decimals per 1,000 tokens.
 SPEND = "spend"
 
+# A model's requests refused at routing because it had no live worker (503s counted as
+# `req:error` too): a capacity signal, apart from the version's own errors (batching.canary).
+NO_WORKER = "noworker"
+# A model's requests that came through an alias: "via:<alias>:" then "req:<outcome>".
+VIA_PREFIX = "via:"
+
 # The queue's tokens the workers sampled (delivered or not): prompt and completion.
 SAMPLED_PROMPT_TOKENS = "sampled:pt"
 SAMPLED_COMPLETION_TOKENS = "sampled:ct"
@@ -209,9 +215,12 @@ class RequestStats:
         now: float | None = None,
         key_id: int = 0,
         tier: str = "",
+        via: str = "",
+        no_worker: bool = False,
     ) -> None:
         """The request path's only statistics work: a few dictionary increments (more for a
-        request of a tier, and one with an API key: its usage)."""
+        request of a tier, one with an API key (its usage), one through an alias (`via`) and
+        one refused for want of a live worker)."""
         latency_ms = latency_s * 1000
         second = int(self.clock() if now is None else now)
         requests, latency = "req:" + outcome, f"{LATENCY}{latency_bucket(latency_ms)}"
@@ -225,6 +234,10 @@ class RequestStats:
                 counts[tier_field(tier, latency)] += 1
             if key_id:
                 counts[usage_field(key_id, requests)] += 1
+            if via:
+                counts[f"{VIA_PREFIX}{via}:{requests}"] += 1
+            if no_worker:
+                counts[NO_WORKER] += 1
 
     def record_token_time(self, first: bool, seconds: float, now: float | None = None) -> None:
         """A stream's content chunk went: `seconds` since its request's arrival (its `first`),

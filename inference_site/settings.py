@@ -14,7 +14,7 @@ import dj_database_url
 import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
-from batching import call_cost, ratelimit
+from batching import call_cost, canary, ratelimit
 from batching.deltas import STREAM_INTERVAL_MS
 from batching.keys import MAX_SHARDS
 from batching.policy import BOUNDS, Policy
@@ -217,6 +217,7 @@ WEB_MAX_IN_FLIGHT = env_int("WEB_MAX_IN_FLIGHT", 1000, minimum=1)
 
 # The policy's defaults and bounds have one home: batching.policy.
 _DEFAULT_POLICY = Policy()
+_CANARY_RULE = canary.Rule()
 
 
 def _policy_int(variable: str, field: str) -> int:
@@ -345,18 +346,36 @@ SAMPLING_RESPONSE_CACHE_SHARED = env_bool(
 # On: each item of a request (each of `n` choices, each prompt of a list) counts one against
 # its key's requests per minute; off (the default, as OpenAI counts): each request counts one.
 SAMPLING_RATE_LIMIT_PER_ITEM = env_bool("SAMPLING_RATE_LIMIT_PER_ITEM", ratelimit.COUNT_ITEMS)
-# Automatic canary rollback (operations.canary): an alias target marked as a canary is set to
-# weight 0 when, over the last SAMPLING_CANARY_WINDOW_S seconds and with at least
-# SAMPLING_CANARY_MIN_REQUESTS requests on each side, its on-time rate is below (or its error
-# rate above) its baseline's by more than SAMPLING_CANARY_MARGIN_PERCENT points, significantly
-# (z > 3); judged every 5 to 10 s by one web process.
-SAMPLING_CANARY_WINDOW_S = env_int("SAMPLING_CANARY_WINDOW_S", 60, minimum=5, maximum=900)
+# Automatic canary rollback (operations.canary, batching.canary): an alias target marked as a
+# canary is set to weight 0 when a sequential test finds its late or error rate above its
+# baseline's by more than SAMPLING_CANARY_MARGIN_PERCENT points. A canary as good as its
+# baseline is ever rolled back with probability SAMPLING_CANARY_FALSE_ROLLBACK_PERCENT at most.
+# No verdict before SAMPLING_CANARY_WINDOW_S seconds of traffic on each side and
+# SAMPLING_CANARY_MIN_REQUESTS requests on the canary's.
+SAMPLING_CANARY_WINDOW_S = env_int(
+    "SAMPLING_CANARY_WINDOW_S",
+    _CANARY_RULE.min_clusters * canary.CLUSTER_S,
+    minimum=2 * canary.CLUSTER_S,
+    maximum=3600,
+)
 SAMPLING_CANARY_MIN_REQUESTS = env_int(
-    "SAMPLING_CANARY_MIN_REQUESTS", 200, minimum=10, maximum=10_000_000
+    "SAMPLING_CANARY_MIN_REQUESTS", _CANARY_RULE.min_requests, minimum=10, maximum=10_000_000
 )
 SAMPLING_CANARY_MARGIN_PERCENT = env_float(
-    "SAMPLING_CANARY_MARGIN_PERCENT", 5.0, minimum=0.0, maximum=100.0
+    "SAMPLING_CANARY_MARGIN_PERCENT", _CANARY_RULE.margin * 100, minimum=0.0, maximum=100.0
 )
+SAMPLING_CANARY_FALSE_ROLLBACK_PERCENT = env_float(
+    "SAMPLING_CANARY_FALSE_ROLLBACK_PERCENT",
+    _CANARY_RULE.false_rollback * 100,
+    minimum=0.001,
+    maximum=50.0,
+)
+# Failover among an alias's targets (sampling.routing): a target with no live worker, or
+# cooling down after failing requests in a row, gets no new requests while another is usable.
+SAMPLING_ALIAS_FAILOVER = env_bool("SAMPLING_ALIAS_FAILOVER", True)
+# A request through an alias whose target failed it before any text reached the client (a
+# failed sampler, an overloaded queue) is sent once more to another usable target.
+SAMPLING_ALIAS_RETRY = env_bool("SAMPLING_ALIAS_RETRY", True)
 # How long per-minute statistics rows stay in the database.
 SAMPLING_STATS_RETENTION_DAYS = env_int(
     "SAMPLING_STATS_RETENTION_DAYS", 30, minimum=1, maximum=3650

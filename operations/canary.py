@@ -1,9 +1,15 @@
-"""Rolling a canary back by itself: every 5 to 10 s (a background job of the web processes,
-one process at a time), each alias target marked as a canary that takes traffic is compared
-with its alias's other targets by batching.canary's rule; a worse one is set to weight 0,
-the change recorded in the registry's history with the figures that decided it and
-published like any registry change (every web process stops sending it traffic within a
-second).
+"""Canary trials, judged by the service itself: every 5 to 10 s (a background job of the web
+processes, one process at a time), each alias target marked as a canary that takes traffic
+has its trial brought up to date, one 10 s cluster at a time, by batching.canary's sequential
+test. A canary found worse is set to weight 0: the change is recorded in the registry's history
+with the figures that decided it, and published like any registry change (every web process
+stops sending it traffic within a second).
+
+A trial starts when its canary is first judged, from the canary's traffic of the last
+SAMPLING_CANARY_WINDOW_S; it restarts, counting only what comes after, when an operator gives
+a rolled-back canary weight again. A canary with capacity
+refusals in its last minute, or no live worker, is paused: its trial goes on, it is not rolled
+back for them.
 """
 
 from __future__ import annotations
@@ -16,10 +22,11 @@ import redis
 from django.conf import settings
 from django.db import close_old_connections, transaction
 
-from batching import canary
-from batching.keys import CANARY_LOCK_KEY
+from batching import canary, stats
+from batching.keys import CANARY_LOCK_KEY, QueueKeys
 from batching.policy import Policy
-from operations.registry import AliasTarget, CatalogChange, record_change
+from batching.registry import WorkerRegistry
+from operations.registry import AliasTarget, CanaryTrial, CatalogChange, record_change
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +35,18 @@ ROLLBACK = "canary rollback"
 # One judgement per this long at most, whatever the processes and models: each process runs
 # its background jobs every 10 s (sampling.runtime), so a canary is judged every 5 to 10 s.
 JUDGE_EVERY_MS = 5000
+# A cluster is counted this long after it ends: every web process has flushed into it.
+FLUSH_LAG_S = 3
+# The most a trial catches up at one look: the 10 s buckets Redis keeps.
+CATCH_UP_S = stats.TTL_S[stats.TEN_SECONDS] - 600
 
 
 def rule() -> canary.Rule:
     return canary.Rule(
-        window_s=settings.SAMPLING_CANARY_WINDOW_S,
-        min_requests=settings.SAMPLING_CANARY_MIN_REQUESTS,
         margin=settings.SAMPLING_CANARY_MARGIN_PERCENT / 100,
+        false_rollback=settings.SAMPLING_CANARY_FALSE_ROLLBACK_PERCENT / 100,
+        min_requests=settings.SAMPLING_CANARY_MIN_REQUESTS,
+        min_clusters=settings.SAMPLING_CANARY_WINDOW_S // canary.CLUSTER_S,
     )
 
 
@@ -50,55 +62,89 @@ def run(client: redis.Redis, queue: str, current: Policy) -> None:
 
 
 def judge_canaries(client: redis.Redis, judged_by: canary.Rule, now_s: float) -> int:
-    """Roll back every canary worse than its baseline; returns how many were."""
+    """Bring every canary's trial up to date and roll back those found worse; returns how
+    many were."""
     rolled_back = 0
+    last = int(now_s - FLUSH_LAG_S) // canary.CLUSTER_S * canary.CLUSTER_S - canary.CLUSTER_S
     canaries = AliasTarget.objects.filter(canary=True, weight__gt=0).select_related(
         "alias", "model"
     )
     for target in canaries:
-        baseline_models = [
+        baseline = [
             other.model.name
             for other in target.alias.targets.select_related("model")
             if not other.canary and other.weight > 0
         ]
-        if not baseline_models:
+        if not baseline:
             continue  # nothing to compare with
-        window = judged_by.window_s
-        arm = canary.arm_of(client, target.model.name, window, now_s)
-        baseline = sum(
-            (canary.arm_of(client, name, window, now_s) for name in baseline_models), canary.Arm()
-        )
-        found = canary.verdict(arm, baseline, judged_by)
-        if found is not None and _roll_back(target, found, baseline_models, judged_by):
-            rolled_back += 1
+        trial = _judged(client, target, baseline, last, judged_by)
+        if trial is not None and trial.state == canary.WORSE:
+            rolled_back += _roll_back(target, trial, baseline, judged_by)
     return rolled_back
 
 
+def _judged(
+    client: redis.Redis,
+    target: AliasTarget,
+    baseline: list[str],
+    last: int,
+    judged_by: canary.Rule,
+) -> CanaryTrial | None:
+    """The target's trial brought up to the cluster starting at `last`; None when another
+    process counted the same clusters first."""
+    # A new trial counts the canary's last stretch of traffic at once; a restart, only after.
+    row, _ = CanaryTrial.objects.get_or_create(
+        alias=target.alias.name,
+        model=target.model.name,
+        defaults={"through_s": last - judged_by.min_clusters * canary.CLUSTER_S},
+    )
+    if row.state == canary.WORSE:  # an operator gave it weight again: a new trial
+        CanaryTrial.objects.filter(pk=row.pk).delete()
+        row = CanaryTrial.objects.create(alias=row.alias, model=row.model, through_s=last)
+    first = max(row.through_s + canary.CLUSTER_S, last - CATCH_UP_S)
+    trial = canary.Trial.from_json(row.sums)
+    ours = canary.clusters_of(client, [row.model], first, last)
+    theirs = canary.clusters_of(client, baseline, first, last)
+    for mine, other in zip(ours, theirs, strict=True):
+        trial = trial.plus(mine, other)
+    state = trial.state(judged_by)
+    if state != canary.WORSE and not WorkerRegistry(client, QueueKeys(row.model)).live_count():
+        state = canary.PAUSED  # no live worker: failover sends its users elsewhere
+    readings = [reading.as_json() for reading in trial.readings(judged_by)]
+    counted = CanaryTrial.objects.filter(pk=row.pk, through_s=row.through_s).update(
+        through_s=max(last, row.through_s), state=state, sums=trial.to_json(), readings=readings
+    )
+    if not counted:
+        return None
+    row.state, row.sums, row.readings = state, trial.to_json(), readings
+    return row
+
+
 def _roll_back(
-    target: AliasTarget, found: canary.Verdict, baseline: list[str], judged_by: canary.Rule
-) -> bool:
+    target: AliasTarget, trial: CanaryTrial, baseline: list[str], judged_by: canary.Rule
+) -> int:
+    figures = canary.summary(canary.Trial.from_json(trial.sums), judged_by)
     with transaction.atomic():
         # Only if still taking traffic (an operator may have changed it meanwhile).
         if not AliasTarget.objects.filter(pk=target.pk, weight__gt=0).update(weight=0):
-            return False
+            return 0
         record_change(
-            f"rolled back canary {target.model.name} of alias {target.alias.name}: "
-            f"{found.summary()}",
+            f"rolled back canary {target.model.name} of alias {target.alias.name}: {figures}",
             kind=ROLLBACK,
             alias=target.alias.name,
             model=target.model.name,
             weight_was=target.weight,
-            measure=found.measure,
-            canary=found.canary.as_json(),
-            baseline={"models": baseline, **found.baseline.as_json()},
-            z=round(found.z, 2),
+            readings=trial.readings,
+            baseline=baseline,
+            threshold=round(judged_by.threshold, 2),
             rule=asdict(judged_by),
+            trial_started=trial.started.isoformat(),
         )
     log.warning(
         "canary %s of alias %s rolled back to weight 0: %s",
-        target.model.name, target.alias.name, found.summary(),
+        target.model.name, target.alias.name, figures,
     )  # fmt: skip
-    return True
+    return 1
 
 
 def recent_rollbacks(limit: int = 5) -> list[CatalogChange]:

@@ -456,7 +456,13 @@ def publish_access() -> None:
 # Django finds them.
 from operations.billing import OwnerBudget as OwnerBudget  # noqa: E402
 from operations.billing import UsageMinute as UsageMinute  # noqa: E402
-from operations.registry import AliasTarget, CatalogChange, ModelAlias, RegisteredModel  # noqa: E402, F401
+from operations.registry import (  # noqa: E402, F401
+    AliasTarget,
+    CanaryTrial,
+    CatalogChange,
+    ModelAlias,
+    RegisteredModel,
+)
 
 post_save.connect(publish_after_commit, sender=OwnerBudget, dispatch_uid="publish-owner-budget")
 post_delete.connect(publish_after_commit, sender=OwnerBudget, dispatch_uid="withdraw-owner-budget")

@@ -159,6 +159,29 @@ class CatalogChange(models.Model):
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.what}"
 
 
+class CanaryTrial(models.Model):
+    """A canary's trial against its alias's other targets (operations.canary): the running
+    sums of its sequential test, where they stand and its state. Named by the alias and the
+    model, not the target row, which `setalias` replaces: a trial outlives a weight change."""
+
+    alias = models.CharField(max_length=64)
+    model = models.CharField(max_length=64)
+    started = models.DateTimeField(auto_now_add=True)
+    through_s = models.BigIntegerField(help_text="The start (epoch s) of the last 10 s counted.")
+    state = models.CharField(max_length=16, default="too early")
+    sums = models.JSONField(default=dict, blank=True)
+    readings = models.JSONField(default=list, blank=True)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["alias", "model"], name="one_trial_per_canary")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model} of {self.alias}: {self.state}"
+
+
 def catalog_snapshot() -> live_catalog.Catalog:
     """What the database registers, as published: its version is the time of the newest
     change (µs), so that it orders publishers of one database, and a database made after

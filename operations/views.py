@@ -11,17 +11,19 @@ from django.utils.safestring import mark_safe
 from inference_site.redis_client import redis_client
 from operations import canary, dashboard
 from operations.models import SamplingPolicy, Tier, default_policy, known_queues
-from operations.registry import AliasTarget
+from operations.registry import AliasTarget, CanaryTrial
 from sampling.runtime import web_process
 
 
 def canary_targets() -> list[AliasTarget]:
     """Every alias target marked as a canary, with its alias's split (for the stats page)."""
     targets = list(AliasTarget.objects.filter(canary=True).select_related("alias", "model"))
+    trials = {(t.alias, t.model): t for t in CanaryTrial.objects.all()}
     for target in targets:
         target.split = ", ".join(  # type: ignore[attr-defined]
             f"{t.model.name} {t.weight}" for t in target.alias.targets.select_related("model")
         )
+        target.trial = trials.get((target.alias.name, target.model.name))  # type: ignore[attr-defined]
     return targets
 
 
@@ -54,7 +56,8 @@ def stats_page(request: HttpRequest) -> HttpResponse:
         "retention_days": settings.SAMPLING_STATS_RETENTION_DAYS,
         "canaries": canary_targets(),
         "rollbacks": canary.recent_rollbacks(),
-        "canary_window_s": settings.SAMPLING_CANARY_WINDOW_S,
+        "canary_rule": canary.rule(),
         "canary_margin_percent": f"{settings.SAMPLING_CANARY_MARGIN_PERCENT:g}",
+        "canary_false_percent": f"{settings.SAMPLING_CANARY_FALSE_ROLLBACK_PERCENT:g}",
     }
     return TemplateResponse(request, "admin/sampling/stats.html", context)

@@ -42,7 +42,7 @@ from sampling.responses import (
     openai_failure,
     openai_invalid,
 )
-from sampling.routing import Route, route, sticky_of
+from sampling.routing import Route, Unrouted, route, sticky_of
 from sampling.runtime import WebProcess, web_process
 from sampling.streams import Ends, completion_stream
 from sampling.submission import charge, enter, submit
@@ -53,7 +53,15 @@ from sampling.validation import (
     read_body,
     sample_requests,
 )
-from sampling.wrappers import Handled, answer_failure, counted, openai_get, require_get
+from sampling.wrappers import (
+    Handled,
+    answer_failure,
+    counted,
+    openai_get,
+    require_get,
+    submitted,
+    unrouted,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +76,8 @@ def _completions(
     try:
         parsed = parse(schemas.CompletionRequest, read_body(request))
         found = route(process, parsed.model, sticky=sticky_of(caller, parsed.user))
-        if isinstance(found, Failure):
-            return Handled(found.outcome, answer_failure(openai_failure, found))
+        if isinstance(found, Unrouted):
+            return unrouted(openai_failure, found)
         policy = found.served.watcher.current
         check_settings(parsed, policy)
         prompts = parsed.prompts()
@@ -88,8 +96,8 @@ def _chat_completions(
     try:
         parsed = parse(schemas.ChatCompletionRequest, read_body(request))
         found = route(process, parsed.model, sticky=sticky_of(caller, parsed.user))
-        if isinstance(found, Failure):
-            return Handled(found.outcome, answer_failure(openai_failure, found))
+        if isinstance(found, Unrouted):
+            return unrouted(openai_failure, found)
         policy = found.served.watcher.current
         check_settings(parsed, policy)
         chat = tuple((message.role, message.text()) for message in parsed.messages)
@@ -114,11 +122,12 @@ def _generate(
 ) -> Handled:
     """A validated request's items through its model's batches, and its answer (or error):
     the response names the model that served it (an alias's target)."""
-    model = found.served
     deadline = arrival + policy.deadline_ms / 1000
     if parsed.stream:
         return _stream(request, found, caller, policy, items, parsed, echoed, deadline, chat=chat)
-    answers = submit(model, caller, items, deadline, policy.deadline_ms)
+    sticky = sticky_of(caller, parsed.user)
+    found, answers = submitted(found, caller, items, arrival, policy.deadline_ms, sticky)
+    model = found.served
     if isinstance(answers, Failure):
         return Handled(answers.outcome, answer_failure(openai_failure, answers), model)
     texts = [answer.text for answer in answers]
@@ -255,8 +264,10 @@ def _inference(
     request_id = uuid.uuid4().hex
     try:
         found = route(process, request.GET.get("model"), sticky=sticky_of(caller, None))
-        if isinstance(found, Failure):
-            return Handled(found.outcome, _inference_failure(found, request_id))
+        if isinstance(found, Unrouted):
+            handled = unrouted(inference_failure, found)
+            handled.response["X-Request-ID"] = request_id
+            return handled
         model = found.served
         policy = model.watcher.current
         parsed = parse(schemas.InferenceRequest, read_body(request))

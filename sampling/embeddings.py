@@ -18,11 +18,11 @@ from batching.outcomes import RequestOutcome
 from batching.problems import Failure
 from sampling import schemas
 from sampling.responses import Invalid, json_response, openai_failure, openai_invalid
-from sampling.routing import route, sticky_of
+from sampling.routing import Unrouted, route, sticky_of
 from sampling.runtime import WebProcess
 from sampling.submission import charge, submit
 from sampling.validation import check_size, parse, read_body
-from sampling.wrappers import Handled, answer_failure, counted
+from sampling.wrappers import Handled, answer_failure, counted, unrouted
 
 
 def _embeddings(
@@ -31,8 +31,8 @@ def _embeddings(
     try:
         parsed = parse(schemas.EmbeddingRequest, read_body(request))
         found = route(process, parsed.model, EMBEDDER, sticky_of(caller, parsed.user))
-        if isinstance(found, Failure):
-            return Handled(found.outcome, answer_failure(openai_failure, found))
+        if isinstance(found, Unrouted):
+            return unrouted(openai_failure, found)
         policy = found.served.watcher.current
         texts = parsed.texts()
         for index, text in enumerate(texts):

@@ -6,12 +6,20 @@ for the same `user`, else for the same API key; an anonymous request without `us
 per request. The model must be of the endpoint's kind (a generator for completions and chat,
 an embedder for embeddings) and have a live worker (one that heartbeated within the
 heartbeat timeout, as this process read twice a second): a model without one gets a fast 503
-saying so, not a wait until the deadline. All of it in memory: no Redis call.
+saying so, not a wait until the deadline, counted on that model (`Unrouted`).
+
+With failover on (SAMPLING_ALIAS_FAILOVER), an alias's target with no live worker, or cooling
+down after failures in a row (`ServedModel.usable`), gets no new requests while another target
+is usable: its users go to their next choice by rendezvous hashing, and come back after. All of
+it in memory: no Redis call, but for a model whose "no live worker" is older than 50 ms.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+
+from django.conf import settings
 
 from batching.access import Caller
 from batching.catalog import EMBEDDER, GENERATOR, ModelEntry
@@ -23,6 +31,11 @@ from sampling.runtime import ServedModel, WebProcess
 # The names a 404 lists, at most (a deployment with hundreds of models lists them at /v1/models).
 NAMES_LISTED = 20
 RETRY_NO_WORKER_S = max(1, HEARTBEAT_TIMEOUT_MS // 1000)
+# The failures of a request through an alias that send it once more, to another target
+# (SAMPLING_ALIAS_RETRY): both came before any text reached the client.
+RETRIED = (Problem.SAMPLER_FAILED, Problem.OVERLOADED)
+# The alias the request being handled came through ("" for none): its statistics name it too.
+ROUTED_VIA: ContextVar[str] = ContextVar("routed_via", default="")
 
 
 @dataclass(frozen=True)
@@ -30,6 +43,15 @@ class Route:
     served: ServedModel  # the model that serves the request
     entry: ModelEntry  # its catalog entry
     requested: str  # what the request named: the model, or an alias of it
+
+
+@dataclass(frozen=True)
+class Unrouted:
+    """A request refused at routing for want of capacity: the 503, and the model chosen for
+    it (None: an alias with no target left), whose statistics count it."""
+
+    failure: Failure
+    served: ServedModel | None
 
 
 def sticky_of(caller: Caller, user: str | None) -> str:
@@ -46,7 +68,7 @@ def route(
     kind: str = GENERATOR,
     sticky: str = "",
     param: str = "model",
-) -> Route | Failure:
+) -> Route | Unrouted:
     """The model of a request that names `requested` (None: the default model), or the 503
     of a model without a live worker (or an alias with no target left). Raises `Invalid`:
     404 for a name the catalog does not have, 400 for a model of another kind."""
@@ -54,13 +76,16 @@ def route(
     name = requested or process.default_model
     alias = catalog.aliases.get(name)
     if alias is not None:
-        target = alias.pick(sticky)
+        usable = process.usable if settings.SAMPLING_ALIAS_FAILOVER else None
+        target = alias.pick(sticky, usable)
         if target is None:
-            return Failure(
+            failure = Failure(
                 Problem.MODEL_UNAVAILABLE,
                 f"the model {name!r} has no target with a weight above 0",
                 RETRY_NO_WORKER_S,
             )
+            return Unrouted(failure, None)
+        ROUTED_VIA.set(name)
         name = target
     entry = catalog.models.get(name)
     if entry is None:
@@ -83,10 +108,34 @@ def route(
         )
     served = process.model(name)
     if not served.has_live_worker():
-        return Failure(
+        failure = Failure(
             Problem.MODEL_UNAVAILABLE,
             f"the model {name!r} has no live worker (none heartbeated in the last "
             f"{HEARTBEAT_TIMEOUT_MS} ms)",
             RETRY_NO_WORKER_S,
         )
+        return Unrouted(failure, served)
     return Route(served, entry, requested or name)
+
+
+def fallback(process: WebProcess, failed: Route, failure: Failure, sticky: str) -> Route | None:
+    """Where a request through an alias goes for its one retry: the caller's next choice
+    among the alias's other usable targets of the same kind; None when the failure is not
+    retried, SAMPLING_ALIAS_RETRY is off or no other target is usable."""
+    via = ROUTED_VIA.get()
+    if not via or failure.problem not in RETRIED or not settings.SAMPLING_ALIAS_RETRY:
+        return None
+    catalog = process.catalog.current
+    alias = catalog.aliases.get(via)
+    if alias is None:
+        return None
+    others = tuple(
+        target
+        for target in alias.targets
+        if target.model != failed.served.name and process.usable(target.model)
+    )
+    name = replace(alias, targets=others).pick(sticky)
+    entry = catalog.models.get(name) if name is not None else None
+    if name is None or entry is None or entry.kind != failed.entry.kind:
+        return None
+    return Route(process.model(name), entry, failed.requested)

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 BACKGROUND_JOB_INTERVAL_S = 10.0
 # A model's "no live worker" older than this is read again before a request is refused.
 LIVE_RECHECK_S = 0.05
+# An alias's target whose requests failed (5xx of its own) this many times in a row in this
+# process gets no new requests from it for COOLDOWN_S when failover is on (sampling.routing).
+COOLDOWN_AFTER_FAILURES = 3
+COOLDOWN_S = 10.0
 
 # A job run every BACKGROUND_JOB_INTERVAL_S in each web process, off the request path:
 # job(client, queue, the policy this process applies). The operators' app registers its
@@ -71,6 +75,8 @@ class ServedModel:
     quickest: QuickestAnswers = field(default_factory=QuickestAnswers)
     live_workers: int | None = None  # None: not read yet (Redis away since it was made)
     live_read_at: float = 0.0  # monotonic
+    failures_in_row: int = 0  # its requests that ended in an error of its own, in a row
+    cool_until: float = 0.0  # monotonic: no new requests through an alias before then
 
     def __post_init__(self) -> None:
         self.loop = PeriodicLoop(
@@ -103,6 +109,23 @@ class ServedModel:
             except REDIS_FAULTS:
                 return True
         return self.live_workers != 0
+
+    def ended(self, failed: bool) -> None:
+        """A request it served ended: a failure of its own (`failed`) or an answer."""
+        if not failed:
+            self.failures_in_row = 0
+            return
+        self.failures_in_row += 1
+        if self.failures_in_row >= COOLDOWN_AFTER_FAILURES:
+            self.failures_in_row = 0
+            self.cool_until = time.monotonic() + COOLDOWN_S
+            log.warning("model %s failed %d requests in a row: cooling down for %g s",
+                        self.name, COOLDOWN_AFTER_FAILURES, COOLDOWN_S)  # fmt: skip
+
+    def usable(self) -> bool:
+        """Whether an alias may send it a request now, by this process's memory alone: a
+        live worker at the last read, and not cooling down."""
+        return self.live_workers != 0 and time.monotonic() >= self.cool_until
 
     def start(self) -> ServedModel:
         """Read the policy and the workers now (the first request must not see the defaults,
@@ -168,6 +191,9 @@ class WebProcess:
         self.jobs_loop = PeriodicLoop(
             "background-jobs", self._run_jobs, BACKGROUND_JOB_INTERVAL_S, first_wait_s=first_jobs_s
         )
+
+    def usable(self, name: str) -> bool:
+        return self.model(name).usable()
 
     def model(self, name: str) -> ServedModel:
         """The model `name` as this process serves it, made (and its watcher started) on

@@ -21,11 +21,11 @@ from batching.problems import Failure
 from batching.topology import REDIS_FAULTS
 from sampling import metrics
 from sampling.responses import Invalid
-from sampling.routing import Route, route, sticky_of
+from sampling.routing import Route, Unrouted, route, sticky_of
 from sampling.runtime import ServedModel, WebProcess, web_process
 from sampling.streams import Ends, text_stream
-from sampling.submission import charge, enter, submit
-from sampling.wrappers import Handled, answer_failure, counted
+from sampling.submission import charge, enter
+from sampling.wrappers import Handled, answer_failure, counted, submitted, unrouted
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ def _sample(request: HttpRequest, process: WebProcess, arrival: float, caller: C
         found = route(process, request.GET.get("model"), sticky=sticky_of(caller, None))
     except Invalid as invalid:
         return _bad(_reason(invalid.status, str(invalid)))
-    if isinstance(found, Failure):
-        return Handled(found.outcome, answer_failure(_failure, found))
+    if isinstance(found, Unrouted):
+        return unrouted(_failure, found)
     model = found.served
     policy = model.watcher.current  # this process's copy, refreshed in the background
     max_bytes = policy.max_prompt_bytes
@@ -74,7 +74,9 @@ def _sample(request: HttpRequest, process: WebProcess, arrival: float, caller: C
     deadline = arrival + deadline_ms / 1000
     if request.GET.get("stream") in STREAM_VALUES:
         return _stream(request, found, caller, prompt, deadline, deadline_ms)
-    answers = submit(model, caller, [prompt], deadline, deadline_ms)
+    sticky = sticky_of(caller, None)
+    found, answers = submitted(found, caller, [prompt], arrival, deadline_ms, sticky)
+    model = found.served
     if isinstance(answers, Failure):
         return Handled(answers.outcome, answer_failure(_failure, answers), model)
     charge(model.stats, caller, answers, found.entry.price)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Concatenate, NamedTuple, ParamSpec
 
 from django.conf import settings
@@ -27,29 +27,45 @@ from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
 from batching.access import Caller
+from batching.generation import SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem
 from batching.topology import REDIS_FAULTS
 from sampling import metrics
 from sampling.responses import Invalid, openai_failure, openai_invalid
+from sampling.routing import ROUTED_VIA, Route, Unrouted, fallback
 from sampling.runtime import ServedModel, WebProcess, web_process
 from sampling.shedding import JOINED_AT, ShedReason
 from sampling.streams import Stream
+from sampling.submission import Answers, submit
 
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 
+# The outcomes that tell an alias's target works (OK) or fails (ERROR): the rest say nothing.
+COOLDOWN_OUTCOMES = (RequestOutcome.OK, RequestOutcome.ERROR)
+
 
 class Handled(NamedTuple):
     """What a handler made of a request: its outcome, its response, the model whose
     statistics count it (None: the default model's, as for a request refused before it
-    named one), and for a streaming response its end, where it is counted instead."""
+    named one), for a streaming response its end, where it is counted instead, the alias
+    the request came through, and whether it was refused for want of a live worker."""
 
     outcome: RequestOutcome
     response: HttpResponseBase
     model: ServedModel | None = None
     stream: Stream | None = None
+    via: str = ""
+    no_worker: bool = False
+
+
+def unrouted(words: Words, found: Unrouted) -> Handled:
+    """A request refused at routing, counted on the model chosen for it."""
+    failure = found.failure
+    response = answer_failure(words, failure)
+    return Handled(failure.outcome, response, found.served, no_worker=found.served is not None)
 
 
 Handler = Callable[[HttpRequest, WebProcess, float, Caller], Handled]
@@ -95,6 +111,7 @@ def counted(handle: Handler, words: Words) -> View:
         process = web_process()
         arrival = process.shedder.arrival(request.META)  # the deadline counts from here
         JOINED_AT.set(None)  # a keep-alive connection's greenlet served requests before
+        ROUTED_VIA.set("")
         started = time.monotonic()
         shed = _shed(process, arrival)
         caller: Caller | Failure
@@ -113,14 +130,18 @@ def counted(handle: Handler, words: Words) -> View:
             finally:
                 if handled is None or handled.stream is None:
                     process.shedder.in_flight -= 1
+        if ROUTED_VIA.get():
+            handled = handled._replace(via=ROUTED_VIA.get())
         if handled.stream is not None:  # its slot held, and counted, until it closes
-            model = handled.model
+            ended = handled
             handled.stream.on_close(
-                lambda outcome: _count(process, model, caller, arrival, outcome, in_flight=True)
+                lambda outcome: _count(
+                    process, ended._replace(outcome=outcome), caller, arrival, in_flight=True
+                )
             )
         else:
             _learn(handled, started)
-            _count(process, handled.model, caller, arrival, handled.outcome)
+            _count(process, handled, caller, arrival)
         return handled.response
 
     view.__name__ = view.__qualname__ = handle.__name__.lstrip("_")
@@ -136,14 +157,15 @@ def _learn(handled: Handled, started: float) -> None:
 
 def _count(
     process: WebProcess,
-    model: ServedModel | None,
+    handled: Handled,
     caller: Caller | Failure,
     arrival: float,
-    outcome: RequestOutcome,
     *,
     in_flight: bool = False,
 ) -> None:
-    """A request counted as it ends (`in_flight`: its slot given back too, a stream's)."""
+    """A request counted as it ends (`in_flight`: its slot given back too, a stream's), on
+    the model chosen for it (and the alias it came through)."""
+    model, outcome = handled.model, handled.outcome
     if in_flight:
         process.shedder.in_flight -= 1
     latency_s = time.monotonic() - arrival
@@ -152,8 +174,42 @@ def _count(
         process.shedder.timed_out(arrival, JOINED_AT.get(), deadline_ms)
     key_id = 0 if isinstance(caller, Failure) else caller.key_id
     tier = "" if isinstance(caller, Failure) else caller.tier
-    (model or process.default).stats.record(outcome, latency_s, key_id=key_id, tier=tier)
+    (model or process.default).stats.record(
+        outcome, latency_s, key_id=key_id, tier=tier, via=handled.via, no_worker=handled.no_worker
+    )
+    if model is not None and handled.via and outcome in COOLDOWN_OUTCOMES:
+        model.ended(failed=outcome == RequestOutcome.ERROR and not handled.no_worker)
     metrics.record_request(outcome, latency_s, tier)
+
+
+def submitted(
+    found: Route,
+    caller: Caller,
+    items: Sequence[str | SampleRequest],
+    arrival: float,
+    deadline_ms: int,
+    sticky: str,
+) -> tuple[Route, Answers | Failure]:
+    """A request's items through its model's batches, and the route that answered. Through
+    an alias, a failure before any text reached the client is sent once more, within the
+    same deadline, to the caller's next choice among the other targets (routing.fallback)."""
+    deadline = arrival + deadline_ms / 1000
+    answers = submit(found.served, caller, items, deadline, deadline_ms)
+    if not isinstance(answers, Failure):
+        return found, answers
+    other = fallback(web_process(), found, answers, sticky)
+    if other is None or time.monotonic() >= deadline:
+        return found, answers
+    count_retried(found.served, arrival, answers)
+    return other, submit(other.served, caller, items, deadline, deadline_ms)
+
+
+def count_retried(model: ServedModel, arrival: float, failure: Failure) -> None:
+    """The first try of a request sent again to another target of its alias: counted on its
+    own target too (not in the key's usage, which counts the request once, as it ends)."""
+    latency_s = time.monotonic() - arrival
+    model.stats.record(failure.outcome, latency_s, via=ROUTED_VIA.get())
+    model.ended(failed=failure.outcome == RequestOutcome.ERROR)
 
 
 def redis_away(exc: Exception) -> Failure:

@@ -2,11 +2,15 @@
 that SAMPLING_MODELS lists, each with its own worker (the generators' answers start with their
 model's name), routed by the request's `model` through the `openai` client and plain HTTP; a
 model registered with `manage.py registermodel` that has no worker; a worker that leaves and
-comes back; an alias that splits 90/10, sticky per API key."""
+comes back; an alias that splits 90/10, sticky per API key; an alias whose target's worker
+dies, its users served by the other target (failover) and back."""
 
 from __future__ import annotations
 
 import json
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +19,7 @@ import pytest
 from openai import OpenAI
 
 from batching.embeddings import decode, shortened
+from batching.registry import HEARTBEAT_TIMEOUT_MS
 from inference_site.lib.stack import Stack
 from tests.support import unique_queue
 from tests.support.http import request
@@ -218,18 +223,22 @@ def many_keys(stack: Stack) -> Iterator[list[str]]:
     manage(stack, "shell", "-c", DROP_KEYS_SCRIPT.format(prefix=prefix))
 
 
-@pytest.fixture
-def split(stack: Stack, models: tuple[str, str]) -> Iterator[str]:
-    """An alias sending 90% of its requests to alpha and 10% to beta."""
-    alpha, beta = models
+def alias_of(stack: Stack, models: tuple[str, str], weights: tuple[int, int]) -> Iterator[str]:
+    """An alias splitting between alpha and beta by `weights`, removed after."""
     alias = unique_queue("split")
     for model in models:
         manage(stack, "registermodel", model)
-    manage(stack, "setalias", alias, f"{alpha}=90", f"{beta}=10")
+    manage(stack, "setalias", alias, *(f"{m}={w}" for m, w in zip(models, weights, strict=True)))
     yield alias
     manage(stack, "setalias", alias, "--delete")
     for model in models:
         manage(stack, "registermodel", model, "--delete")
+
+
+@pytest.fixture
+def split(stack: Stack, models: tuple[str, str]) -> Iterator[str]:
+    """An alias sending 90% of its requests to alpha and 10% to beta."""
+    yield from alias_of(stack, models, (90, 10))
 
 
 def test_an_alias_splits_by_weight_and_keeps_each_key_on_one_model(
@@ -261,3 +270,54 @@ def test_an_alias_splits_by_weight_and_keeps_each_key_on_one_model(
         with ThreadPoolExecutor(20) as pool:
             seen = set(pool.map(lambda i, key=key: served_by(key, f"again {i}"), range(20)))
         assert len(seen) == 1, (key[:11], seen)
+
+
+@pytest.fixture
+def halves(stack: Stack, models: tuple[str, str]) -> Iterator[str]:
+    """An alias sending half its users to alpha and half to beta."""
+    yield from alias_of(stack, models, (50, 50))
+
+
+def test_a_dead_targets_users_fail_over_within_the_heartbeat_timeout_and_come_back(
+    stack: Stack, client: OpenAI, models: tuple[str, str], halves: str
+) -> None:
+    alpha, beta = models
+
+    def served(user: str) -> str | None:
+        try:
+            return client.completions.create(model=halves, prompt="E equals ", user=user).model
+        except openai.APIStatusError:
+            return None
+
+    wait_until(lambda: halves in {m.id for m in client.models.list().data}, what="published")
+    users = [f"user-{i}" for i in range(40)]
+    first = {user: served(user) for user in users}
+    on_beta = [user for user in users if first[user] == beta]
+    assert on_beta
+    assert len(on_beta) < len(users)
+    index = next(i for i, m in enumerate(stack.worker_models) if m and m[0] == beta)
+    stack.stop_process(stack.workers[index], signal.SIGKILL)  # a crash: no goodbye
+    killed = time.monotonic()
+    probes: list[tuple[float, str | None]] = []
+
+    def probe() -> None:
+        sent = time.monotonic() - killed
+        probes.append((sent, served(on_beta[0])))
+
+    try:
+        senders = []
+        while time.monotonic() - killed < HEARTBEAT_TIMEOUT_MS / 1000 + 4:
+            senders.append(threading.Thread(target=probe))
+            senders[-1].start()
+            time.sleep(0.2)  # a probe's pace, not a wait for a condition
+        for sender in senders:
+            sender.join()
+        failed_over = [sent for sent, model in probes if model != alpha]
+        moved_at = max(failed_over, default=0.0)
+        assert moved_at <= HEARTBEAT_TIMEOUT_MS / 1000 + 1, sorted(probes)
+        assert {served(user) for user in on_beta} == {alpha}
+        assert all(served(user) == alpha for user in users if first[user] == alpha)
+    finally:
+        stack.restart_worker(index)
+    wait_until(lambda: served(on_beta[0]) == beta, timeout_s=60, what="beta's users back")
+    assert {user: served(user) for user in users} == first

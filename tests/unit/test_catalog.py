@@ -155,3 +155,18 @@ def test_each_target_of_a_sticky_split_gets_its_weights_share() -> None:
     picks = Counter(three.pick(f"user:{n}") for n in range(20_000))
     for model, share in (("a", 0.5), ("b", 0.3), ("c", 0.2)):
         assert abs(picks[model] / 20_000 - share) < 0.015
+
+
+def test_failover_sends_only_an_unusable_targets_users_elsewhere_and_back() -> None:
+    alias = Alias("fo", (Target("a", 60), Target("b", 30), Target("c", 10, canary=True)))
+    keys = [f"key:{i}" for i in range(3000)]
+    before = {key: alias.pick(key) for key in keys}
+    during = {key: alias.pick(key, usable=lambda model: model != "c") for key in keys}
+    moved = {key for key in keys if before[key] != during[key]}
+    assert moved == {key for key in keys if before[key] == "c"}
+    assert {during[key] for key in moved} == {"a", "b"}
+    assert {key: alias.pick(key, usable=lambda model: True) for key in keys} == before
+    # Nothing usable: the split as without failover (the refusal counts on the chosen target).
+    assert {key: alias.pick(key, usable=lambda model: False) for key in keys} == before
+    anonymous = Counter(alias.pick("", usable=lambda model: model != "c") for _ in range(2000))
+    assert set(anonymous) == {"a", "b"}
