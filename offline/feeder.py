@@ -53,6 +53,7 @@ from batching.loop import PeriodicLoop
 from offline import charges, finish, uploads, validate
 from offline.failures import count_failure
 from offline.feeding import collect, feed
+from offline.lines import kind_of
 from offline.models import Job, JobLine, Status
 from offline.standing import affordable, fail_unanswered, refusal_of
 from sampling.runtime import ServedModel, WebProcess, flush_on_exit, web_process
@@ -193,6 +194,8 @@ class Feeder:
                 log.warning("job %s stopped: %s", job.id, failure.message)
                 fail_unanswered(job, failure)
                 self._finalize(job, Status.COMPLETED)
+        elif job.status == Status.IN_PROGRESS and (target := self._split_target(job)):
+            self._move_to(lanes, job, target)
         elif job.status == Status.IN_PROGRESS:
             if job.epoch != epoch:  # the lanes were lost since it was fed: again
                 job.fed_lines, job.fed_offset, job.epoch = 0, 0, epoch
@@ -202,6 +205,32 @@ class Feeder:
             if job.completed + job.failed >= job.total:
                 self._finalize(job, Status.COMPLETED)
         return fed
+
+    def _split_target(self, job: Job) -> str:
+        """The model a job through an alias runs on from now, where it is not the one it runs
+        on: the key's target in the alias's current split (a canary rolled back, weights
+        changed); "" to stay."""
+        catalog = self.process.catalog.current
+        alias = catalog.aliases.get(job.alias) if job.alias else None
+        target = alias.pick(validate.job_sticky(job.key_id)) if alias is not None else None
+        entry = catalog.models.get(target) if target is not None else None
+        if entry is None or entry.name == job.model or entry.kind != kind_of(job.endpoint):
+            return ""
+        return entry.name
+
+    def _move_to(self, lanes: Backfill, job: Job, target: str) -> None:
+        """A job's waiting lines withdrawn from its model's lanes; once none is in a call or
+        answered and not collected, and its charge is sent, it runs on `target`, fed again
+        from its first unanswered line."""
+        if self._withdrawn(lanes, job):
+            return
+        self._charge(job)
+        if Job.objects.filter(charges.PENDING, id=job.id).exists():
+            return  # its charge goes to the model that answered: first sent, next pass
+        Job.objects.filter(id=job.id, model=job.model).update(
+            model=target, fed_lines=0, fed_offset=0, epoch=""
+        )
+        log.info("job %s moves from %s to %s: alias %s", job.id, job.model, target, job.alias)
 
     def _withdrawn(self, lanes: Backfill, job: Job) -> int:
         """A job that feeds no more: its waiting items out of the lanes (one scan of each,

@@ -91,6 +91,12 @@ class Job(models.Model):
     id = models.CharField(primary_key=True, max_length=40, default=_job_id, editable=False)
     key_id = models.PositiveIntegerField(db_index=True, help_text="The API key that owns it.")
     model = models.CharField(max_length=200, help_text="The model (queue) its lines run on.")
+    alias = models.CharField(
+        max_length=64,
+        blank=True,
+        default="",
+        help_text="The alias its lines named, if any: each feed pass follows its split.",
+    )
     endpoint = models.CharField(max_length=40)
     completion_window = models.CharField(max_length=10, default="24h")
     input_file = models.ForeignKey(StoredFile, on_delete=models.PROTECT, related_name="+")

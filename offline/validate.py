@@ -61,12 +61,12 @@ def checked(process: WebProcess, job: Job) -> None:
 
 def run(process: WebProcess, job: Job) -> None:
     lines, unreadable, errors = _read(job)
-    model = ""
+    model = via = ""
     if not errors:
         if not lines:
             errors.append(_error("the input file has no readable line"))
         else:
-            model, problem = _model(process, lines, job.key_id, kind_of(job.endpoint))
+            model, via, problem = _model(process, lines, job.key_id, kind_of(job.endpoint))
             if problem:
                 errors.append(_error(problem))
             elif over := _over_enqueued(job, model, len(lines)):  # unreadable lines never wait
@@ -90,7 +90,7 @@ def run(process: WebProcess, job: Job) -> None:
     price = entry.batch_price if entry is not None else Price()
     with transaction.atomic():
         Job.objects.filter(id=job.id).update(
-            model=model, total=len(lines) + len(unreadable), failed=len(unreadable),
+            model=model, alias=via, total=len(lines) + len(unreadable), failed=len(unreadable),
             prompt_price_nanos=price.prompt_nanos, completion_price_nanos=price.completion_nanos,
         )  # fmt: skip
         # Only a job still validating moves on: a cancel meanwhile stands.
@@ -176,23 +176,31 @@ def _over_enqueued(job: Job, model: str, lines: int) -> dict[str, Any] | None:
     return {"code": "token_limit_exceeded", "message": message, "param": None, "line": None}
 
 
-def _model(process: WebProcess, lines: list[Line], key_id: int, kind: str) -> tuple[str, str]:
-    """The one model the lines name (an alias resolved once, for the whole job), or why
-    there is none."""
+def _model(process: WebProcess, lines: list[Line], key_id: int, kind: str) -> tuple[str, str, str]:
+    """The one model the lines name, the alias they named it through ("" for none) and why
+    there is none. An alias resolves to the key's target now; each feed pass resolves it again
+    (offline.feeder), so a job follows its alias's split."""
     names = {model_of(line) for line in lines}
     if len(names) != 1:
-        return "", f"every line must name one model; they name {sorted(names)[:5]}"
+        return "", "", f"every line must name one model; they name {sorted(names)[:5]}"
     name = names.pop()
     catalog = process.catalog.current
     alias = catalog.aliases.get(name)
+    via = ""
     if alias is not None:
-        target = alias.pick(f"key:{key_id}")
+        target = alias.pick(job_sticky(key_id))
         if target is None:
-            return "", f"the model {name!r} has no target with a weight above 0"
-        name = target
+            return "", "", f"the model {name!r} has no target with a weight above 0"
+        via, name = name, target
     entry = catalog.models.get(name)
     if entry is None:
-        return "", f"the model {name!r} does not exist"
+        return "", "", f"the model {name!r} does not exist"
     if entry.kind != kind:
-        return "", f"the model {name!r} is of kind {entry.kind}; the batch's endpoint needs {kind}"
-    return name, ""
+        problem = f"the model {name!r} is of kind {entry.kind}; the batch's endpoint needs {kind}"
+        return "", "", problem
+    return name, via, ""
+
+
+def job_sticky(key_id: int) -> str:
+    """What keeps a key's jobs on one target of an alias: its key, as for its requests."""
+    return f"key:{key_id}"
