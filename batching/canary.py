@@ -47,6 +47,8 @@ CLUSTER_S = stats.TEN_SECONDS
 # The two quality measures, each a share of the requests that reached a batch.
 LATE, ERRORS = "late", "errors"
 MEASURES = (LATE, ERRORS)
+# A canary with a ramp doubles its weight after this long watched (operations.canary).
+RAMP_EVERY_S = 600
 # The trial's states, as the stats page and the registry's history say them.
 TOO_EARLY = "too early"  # fewer requests or clusters than a verdict needs
 WATCHING = "watching"  # no evidence that the canary is worse

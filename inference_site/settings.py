@@ -370,6 +370,11 @@ SAMPLING_CANARY_FALSE_ROLLBACK_PERCENT = env_float(
     minimum=0.001,
     maximum=50.0,
 )
+# A canary with a ramp (`ramp_to`) doubles its weight each time its trial has watched it this
+# long with nothing worse and no capacity refusal.
+SAMPLING_CANARY_RAMP_EVERY_S = env_int(
+    "SAMPLING_CANARY_RAMP_EVERY_S", canary.RAMP_EVERY_S, minimum=10, maximum=7 * 24 * 3600
+)
 # Failover among an alias's targets (sampling.routing): a target with no live worker, or
 # cooling down after failing requests in a row, gets no new requests while another is usable.
 SAMPLING_ALIAS_FAILOVER = env_bool("SAMPLING_ALIAS_FAILOVER", True)

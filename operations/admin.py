@@ -222,7 +222,7 @@ class RegisteredModelAdmin(admin.ModelAdmin[RegisteredModel]):
 class AliasTargetInline(admin.TabularInline[AliasTarget, ModelAlias]):
     model = AliasTarget
     extra = 1
-    fields = ("model", "weight", "canary")
+    fields = ("model", "weight", "canary", "ramp_to")
 
 
 @admin.register(ModelAlias)

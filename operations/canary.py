@@ -9,7 +9,8 @@ A trial starts when its canary is first judged, from the canary's traffic of the
 SAMPLING_CANARY_WINDOW_S; it restarts, counting only what comes after, when an operator gives
 a rolled-back canary weight again. A canary with capacity
 refusals in its last minute, or no live worker, is paused: its trial goes on, it is not rolled
-back for them.
+back for them. A canary with a ramp (`AliasTarget.ramp_to`) doubles its weight each time its
+trial has watched it for SAMPLING_CANARY_RAMP_EVERY_S; a pause holds the ramp.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from operations.registry import AliasTarget, CanaryTrial, CatalogChange, record_
 
 log = logging.getLogger(__name__)
 
-# What marks a rollback in the registry's history (CatalogChange.details["kind"]).
+# What marks a rollback, and a ramp's step, in the registry's history (details["kind"]).
 ROLLBACK = "canary rollback"
+RAMP = "canary ramp"
 # One judgement per this long at most, whatever the processes and models: each process runs
 # its background jobs every 10 s (sampling.runtime), so a canary is judged every 5 to 10 s.
 JUDGE_EVERY_MS = 5000
@@ -80,7 +82,37 @@ def judge_canaries(client: redis.Redis, judged_by: canary.Rule, now_s: float) ->
         trial = _judged(client, target, baseline, last, judged_by)
         if trial is not None and trial.state == canary.WORSE:
             rolled_back += _roll_back(target, trial, baseline, judged_by)
+        elif trial is not None and target.ramp_to > target.weight:
+            _ramp(target, trial, now_s, judged_by)
     return rolled_back
+
+
+def _ramp(target: AliasTarget, trial: CanaryTrial, now_s: float, judged_by: canary.Rule) -> None:
+    """A canary with a ramp: its weight doubled (up to `ramp_to`) once its trial has watched
+    it for SAMPLING_CANARY_RAMP_EVERY_S; any other state (too early, paused) holds the step's
+    clock, which starts again after it."""
+    if trial.state != canary.WATCHING or not trial.ramp_since:
+        CanaryTrial.objects.filter(pk=trial.pk).update(ramp_since=now_s)
+        return
+    if now_s - trial.ramp_since < settings.SAMPLING_CANARY_RAMP_EVERY_S:
+        return
+    weight = min(target.ramp_to, max(1, target.weight) * 2)
+    figures = canary.summary(canary.Trial.from_json(trial.sums), judged_by)
+    with transaction.atomic():
+        # Only from the weight judged (an operator may have changed it meanwhile).
+        if not AliasTarget.objects.filter(pk=target.pk, weight=target.weight).update(weight=weight):
+            return
+        CanaryTrial.objects.filter(pk=trial.pk).update(ramp_since=now_s)
+        record_change(
+            f"ramped canary {target.model.name} of alias {target.alias.name} from "
+            f"{target.weight} to {weight}: {figures}",
+            kind=RAMP,
+            alias=target.alias.name,
+            model=target.model.name,
+            weight_was=target.weight,
+            weight=weight,
+            readings=trial.readings,
+        )
 
 
 def _judged(

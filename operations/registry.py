@@ -133,6 +133,12 @@ class AliasTarget(models.Model):
         help_text="A new version on trial: set to weight 0 by the service itself when it "
         "does worse than the alias's other targets.",
     )
+    ramp_to = models.PositiveIntegerField(
+        default=0,
+        validators=[MaxValueValidator(live_catalog.MAX_WEIGHT)],
+        help_text="A canary's ramp: its weight doubles each SAMPLING_CANARY_RAMP_EVERY_S its "
+        "trial watches it with nothing worse and no capacity refusal, up to this; 0: none.",
+    )
 
     class Meta:
         constraints = [
@@ -140,7 +146,8 @@ class AliasTarget(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.alias} -> {self.model} ({self.weight})"
+        ramp = f", ramp to {self.ramp_to}" if self.ramp_to else ""
+        return f"{self.alias} -> {self.model} ({self.weight}{ramp})"
 
 
 class CatalogChange(models.Model):
@@ -171,6 +178,9 @@ class CanaryTrial(models.Model):
     state = models.CharField(max_length=16, default="too early")
     sums = models.JSONField(default=dict, blank=True)
     readings = models.JSONField(default=list, blank=True)
+    ramp_since = models.FloatField(
+        default=0.0, help_text="Since when (epoch s) its ramp's step has been watched."
+    )
     updated = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -4,7 +4,8 @@ sampler that fails rows, not whole calls), the other healthy; the same traffic t
 the bad one is rolled back, its failed requests retried on the stable model (counted on
 both); the healthy one is still served after as much traffic again. A
 third canary's worker stops, with failover off: its 503s are counted on it, and its trial
-pauses rather than rolling it back."""
+pauses rather than rolling it back, its ramp held. The healthy canary's ramp doubles its
+weight as its trial watches it."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ MIN_REQUESTS = 60
 # The clusters a verdict needs, the last one's end, one judgement (every 5 to 10 s) and the
 # flush lag: a canary failing one request in five at several requests/s is found by then.
 ROLLBACK_WITHIN_S = WINDOW_S + 10 + 10 + 3
+# A canary with a ramp doubles its weight after this long watched.
+RAMP_EVERY_S = 10
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +52,7 @@ def stack(start_stack: Callable[..., Stack], names: dict[str, str]) -> Iterator[
         "SAMPLING_MODELS": f"{names['stable']}={support}:named,{names['bad']}={support}:flaky,"
         f"{names['good']}={support}:named,{names['dead']}={support}:named",
         "SAMPLING_ALIAS_FAILOVER": "0",
+        "SAMPLING_CANARY_RAMP_EVERY_S": str(RAMP_EVERY_S),
         "SAMPLING_QUEUE": names["stable"],
         "SAMPLING_DEADLINE_MS": "5000",
         "SAMPLING_CANARY_WINDOW_S": str(WINDOW_S),
@@ -57,9 +61,10 @@ def stack(start_stack: Callable[..., Stack], names: dict[str, str]) -> Iterator[
     stack = start_stack("canary", env=env, web_processes=2)
     for role in ("stable", "bad", "good", "dead"):
         manage(stack, "registermodel", names[role])
-    for canary in ("bad", "good", "dead"):
+    canaries = {"bad": "50:canary", "good": "20:canary:ramp=80", "dead": "10:canary:ramp=40"}
+    for canary, split in canaries.items():
         manage(stack, "setalias", names[f"{canary}-split"], f"{names['stable']}=50",
-               f"{names[canary]}=50:canary")  # fmt: skip
+               f"{names[canary]}={split}")  # fmt: skip
     yield stack
     for canary in ("bad", "good", "dead"):
         manage(stack, "setalias", names[f"{canary}-split"], "--delete")
@@ -110,6 +115,8 @@ def test_a_failing_canary_is_rolled_back_and_a_healthy_one_is_not(
         # stable model's one worker now serves three quarters of it).
         trial, took_s = 2 * sent[aliases[1]], time.monotonic() - started
         wait_until(lambda: sent[aliases[1]] >= trial, 4 * took_s + 30, "the same again")
+        # Watched with nothing worse, the healthy canary's ramp doubles its weight: 20, 40, 80.
+        wait_until(lambda: ramps(stack, aliases[1]) == [20, 40], 4 * took_s + 30, "its ramp")
         assert set(targets(aliases[1])) == {names["stable"], names["good"]}
     finally:
         stop.set()
@@ -141,6 +148,20 @@ def test_a_failing_canary_is_rolled_back_and_a_healthy_one_is_not(
     admin.login(ADMIN_USER, ADMIN_PASSWORD)
     _, page = admin.get("/admin/stats/")
     assert f"rolled back canary {names['bad']}" in page
+
+
+RAMPS_SCRIPT = """
+import json
+from operations.models import CatalogChange
+ramps = CatalogChange.objects.filter(details__kind="canary ramp", details__alias="{alias}")
+print(json.dumps([change.details["weight_was"] for change in ramps.order_by("id")]))
+"""
+
+
+def ramps(stack: Stack, alias: str) -> list[int]:
+    """The weights a canary's ramp stepped up from, in order."""
+    printed = manage(stack, "shell", "-c", RAMPS_SCRIPT.format(alias=alias))
+    return list(json.loads(printed.strip().splitlines()[-1]))
 
 
 FIGURES_SCRIPT = """
@@ -216,7 +237,7 @@ def test_a_canary_without_a_worker_is_refused_counted_on_it_and_paused(
     # Besides the refusals, only requests already on their way when the worker stopped failed.
     assert refused.count(NO_WORKER) > 0.9 * len(refused), Counter(refused)
     assert counted["state"] == "paused"
-    assert counted["weight"] == 50
+    assert counted["weight"] == 10  # its ramp (to 40) held
     assert counted["no_worker"][dead] == refused.count(NO_WORKER)
     assert counted["errors"] >= refused.count(NO_WORKER)
     assert counted["no_worker"][names["stable"]] == 0
