@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
 
 import redis
@@ -72,29 +72,37 @@ class Rule:
 
 @dataclass(frozen=True)
 class Cluster:
-    """One 10 s bucket of one side: its quality requests and how many went wrong, and its
-    capacity refusals."""
+    """One 10 s bucket of one side: its quality requests and how many went wrong, its
+    capacity refusals, and its offline lines (a class of their own, outside the verdict)."""
 
     requests: int = 0
     late: int = 0
     errors: int = 0
     refused: int = 0
+    offline_ok: int = 0
+    offline_errors: int = 0
 
     @classmethod
-    def of(cls, counts: Mapping[str, int]) -> Cluster:
-        no_worker = counts.get(stats.NO_WORKER, 0)
-        errors = counts.get("req:" + RequestOutcome.ERROR, 0) - no_worker
-        late = counts.get("req:" + RequestOutcome.TIMEOUT, 0)
-        on_time = counts.get("req:" + RequestOutcome.OK, 0)
-        refused = counts.get("req:" + RequestOutcome.REJECTED, 0) + no_worker
-        return cls(on_time + late + errors, late, errors, refused)
+    def of(cls, counts: Mapping[str, int], via: str = "") -> Cluster:
+        """A bucket's cluster: of the requests that came through the alias `via` (all the
+        model's requests without one), and the model's offline lines."""
+        prefix = f"{stats.VIA_PREFIX}{via}:" if via else ""
+
+        def count(name: str) -> int:
+            return max(0, counts.get(prefix + name, 0))  # never below 0, whatever Redis holds
+
+        no_worker = count(stats.NO_WORKER)
+        errors = max(0, count("req:" + RequestOutcome.ERROR) - no_worker)
+        late = count("req:" + RequestOutcome.TIMEOUT)
+        on_time = count("req:" + RequestOutcome.OK)
+        refused = count("req:" + RequestOutcome.REJECTED) + no_worker
+        offline = (max(0, counts.get(stats.OFFLINE_OK, 0)),
+                   max(0, counts.get(stats.OFFLINE_ERRORS, 0)))  # fmt: skip
+        return cls(on_time + late + errors, late, errors, refused, *offline)
 
     def __add__(self, other: Cluster) -> Cluster:
         return Cluster(
-            self.requests + other.requests,
-            self.late + other.late,
-            self.errors + other.errors,
-            self.refused + other.refused,
+            *(mine + theirs for mine, theirs in zip(astuple(self), astuple(other), strict=True))
         )
 
     def bad(self, measure: str) -> int:
@@ -189,13 +197,19 @@ class Trial:
     canary: dict[str, Sums] = field(default_factory=lambda: dict.fromkeys(MEASURES, Sums()))
     baseline: dict[str, Sums] = field(default_factory=lambda: dict.fromkeys(MEASURES, Sums()))
     refused: tuple[int, ...] = ()  # the canary's capacity refusals, last 6 clusters
+    # Offline lines answered 200 and failed (5xx): the canary's, then the baseline's.
+    offline: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def plus(self, canary: Cluster, baseline: Cluster) -> Trial:
+        lines = (canary.offline_ok, canary.offline_errors, baseline.offline_ok,
+                 baseline.offline_errors)  # fmt: skip
         return Trial(
             {m: s.plus(canary.requests, canary.bad(m)) for m, s in self.canary.items()},
             {m: s.plus(baseline.requests, baseline.bad(m)) for m, s in self.baseline.items()},
             (*self.refused, canary.refused)[-6:],
-        )
+            (self.offline[0] + lines[0], self.offline[1] + lines[1],
+             self.offline[2] + lines[2], self.offline[3] + lines[3]),
+        )  # fmt: skip
 
     def readings(self, rule: Rule) -> list[Reading]:
         found = []
@@ -222,6 +236,7 @@ class Trial:
             "canary": {m: asdict(s) for m, s in self.canary.items()},
             "baseline": {m: asdict(s) for m, s in self.baseline.items()},
             "refused": list(self.refused),
+            "offline": list(self.offline),
         }
 
     @classmethod
@@ -232,6 +247,7 @@ class Trial:
             {m: Sums(**data["canary"][m]) for m in MEASURES},
             {m: Sums(**data["baseline"][m]) for m in MEASURES},
             tuple(data.get("refused", ())),
+            tuple(data.get("offline", (0, 0, 0, 0))),
         )
 
 
@@ -246,16 +262,29 @@ def summary(trial: Trial, rule: Rule) -> str:
     return f"{'; '.join(parts) or 'no figures yet'} over {requests:,} requests"
 
 
-def clusters_of(client: redis.Redis, models: list[str], first_s: int, last_s: int) -> list[Cluster]:
+def offline_summary(trial: Trial) -> str:
+    """The trial's offline lines on each side, and the share the service failed."""
+    ok_c, errors_c, ok_b, errors_b = trial.offline
+
+    def side(ok: int, errors: int) -> str:
+        return f"{ok + errors:,} ({errors / (ok + errors):.1%} failed)" if ok + errors else "0"
+
+    return f"offline lines: canary {side(ok_c, errors_c)}, baseline {side(ok_b, errors_b)}"
+
+
+def clusters_of(
+    client: redis.Redis, models: list[str], first_s: int, last_s: int, via: str = ""
+) -> list[Cluster]:
     """The clusters starting from `first_s` to `last_s` (both included) of `models` together
-    (a baseline may have several): one pipeline per model."""
+    (a baseline may have several), of their requests through the alias `via`: one pipeline
+    per model."""
     if last_s < first_s:
         return []
     total = [Cluster()] * ((last_s - first_s) // CLUSTER_S + 1)
     for model in models:
         buckets = stats.read_buckets(client, model, CLUSTER_S, first_s, last_s + 1)
         total = [
-            cluster + Cluster.of(counts)
+            cluster + Cluster.of(counts, via)
             for cluster, (_, counts) in zip(total, buckets, strict=True)
         ]
     return total

@@ -71,6 +71,9 @@ SPEND = "spend"
 # A model's requests refused at routing because it had no live worker (503s counted as
 # `req:error` too): a capacity signal, apart from the version's own errors (batching.canary).
 NO_WORKER = "noworker"
+# A model's offline lines (the Batch API's) answered 200, and failed by the service (5xx).
+OFFLINE_OK = "offline:ok"
+OFFLINE_ERRORS = "offline:errors"
 # A model's requests that came through an alias: "via:<alias>:" then "req:<outcome>".
 VIA_PREFIX = "via:"
 
@@ -238,6 +241,16 @@ class RequestStats:
                 counts[f"{VIA_PREFIX}{via}:{requests}"] += 1
             if no_worker:
                 counts[NO_WORKER] += 1
+                if via:
+                    counts[f"{VIA_PREFIX}{via}:{NO_WORKER}"] += 1
+
+    def record_offline(self, ok: int, errors: int, now: float | None = None) -> None:
+        """Offline lines answered on this model: 200s, and failures of the service's own."""
+        second = int(self.clock() if now is None else now)
+        with self._lock:
+            counts = self._pending[second]
+            counts[OFFLINE_OK] += ok
+            counts[OFFLINE_ERRORS] += errors
 
     def record_token_time(self, first: bool, seconds: float, now: float | None = None) -> None:
         """A stream's content chunk went: `seconds` since its request's arrival (its `first`),

@@ -42,11 +42,13 @@ PriceOf = Callable[[Job], Price]
 
 @dataclass
 class Settled:
-    """Lines answered by one `settle`, and their 200s' tokens."""
+    """Lines answered by one `settle`, their 200s' tokens, and how many were 200s and 5xxs."""
 
     lines: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    ok: int = 0
+    errors: int = 0  # the service's own failures (5xx), as a request's `error` outcome
 
 
 def price_of(job: Job, current: Price | None) -> Price:
@@ -82,6 +84,7 @@ def settle(job: Job, outcomes: dict[int, tuple[int, dict[str, Any]]], price: Pri
             settled.completion_tokens += completion
         JobLine.objects.bulk_update(rows, ["answered", "status_code", "body"])
         ok = sum(1 for row in rows if row.ok)
+        settled.ok, settled.errors = ok, sum(1 for row in rows if (row.status_code or 0) >= 500)
         spend = price.of(settled.prompt_tokens, settled.completion_tokens)
         Job.objects.filter(id=job.id).update(
             completed=F("completed") + ok,
@@ -109,6 +112,7 @@ def send_charge(client: redis.Redis, job_id: str, queue: str) -> bool:
         job = Job.objects.select_for_update().filter(id=job_id).first()
         if job is None:
             return False
+        queue = job.model or queue  # a feeder that stalled may hold a job that moved since
         if not any(_charging(job)) and _uncharged(job):
             job.charging_prompt_tokens = job.uncharged_prompt_tokens
             job.charging_completion_tokens = job.uncharged_completion_tokens

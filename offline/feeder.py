@@ -151,7 +151,7 @@ class Feeder:
         epoch = self._epoch(model)
         for job in jobs:  # a charge cut short before its settles more: offline.charges
             self._charge(job)
-        collect(lanes, {job.id: job for job in jobs}, self._price, self._charge)
+        collect(lanes, {job.id: job for job in jobs}, self._price, self._charge, self._count)
         self.process.refresh_budgets()  # a budget just crossed stops the job's feeding now
         self._reconcile(lanes, model, jobs)
         timeout_ms = round(settings.SAMPLING_BACKFILL_TAKEN_TIMEOUT_S * 1000)
@@ -222,7 +222,10 @@ class Feeder:
         """A job's waiting lines withdrawn from its model's lanes; once none is in a call or
         answered and not collected, and its charge is sent, it runs on `target`, fed again
         from its first unanswered line."""
-        if self._withdrawn(lanes, job):
+        # Out of the lanes at every pass (a stale item put back, or a call's give-back, since);
+        # moved only once a pass finds none waiting, taken or answered and not collected.
+        removed, _ = lanes.withdraw(job.id)
+        if removed or lanes.in_calls(job.id) or lanes.withdraw(job.id)[0]:
             return
         self._charge(job)
         if Job.objects.filter(charges.PENDING, id=job.id).exists():
@@ -264,6 +267,11 @@ class Feeder:
                 log.warning("job %s: fed lines lost from Redis; feeding them again", job.id)
                 Job.objects.filter(id=job.id).update(fed_lines=0, fed_offset=0)
                 del self._missing_since[job.id]
+
+    def _count(self, job: Job, settled: charges.Settled) -> None:
+        """A job's lines answered on its model, in the model's statistics as their own
+        class (beside its requests: a canary's trial shows them apart)."""
+        self.process.model(job.model).stats.record_offline(settled.ok, settled.errors)
 
     def _charge(self, job: Job) -> None:
         if job.model:

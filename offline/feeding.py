@@ -32,11 +32,16 @@ STEP = 100
 
 
 def collect(
-    lanes: Backfill, jobs: dict[str, Job], price_of: charges.PriceOf, charge: Callable[[Job], Any]
+    lanes: Backfill,
+    jobs: dict[str, Job],
+    price_of: charges.PriceOf,
+    charge: Callable[[Job], Any],
+    count: Callable[[Job, charges.Settled], Any],
 ) -> int:
     """The lanes' answers into their lines (the first answer of each stays), at each job's
     price, each job's charge sent (`charge`) before the answers leave the lanes: a feeder
-    fenced off on the way has charged what it wrote. Returns how many jobs had answers."""
+    fenced off on the way has charged what it wrote. Each step's lines are `count`ed (the
+    model's offline statistics). Returns how many jobs had answers."""
     by_job: dict[str, dict[int, Done]] = defaultdict(dict)
     found, taken = lanes.collect(COLLECT_AT_MOST)
     for done in found:
@@ -50,7 +55,7 @@ def collect(
         for start in range(0, len(lines), STEP):
             step = {line: answered(job.endpoint, job.model, answers[line].answer)
                     for line in lines[start : start + STEP]}  # fmt: skip
-            charges.settle(job, step, price_of(job))
+            count(job, charges.settle(job, step, price_of(job)))
         charge(job)
         written += 1
     lanes.acknowledge(taken)  # off the lanes once written: a failure before reads them again

@@ -22,11 +22,13 @@ from dataclasses import asdict
 import redis
 from django.conf import settings
 from django.db import close_old_connections, transaction
+from django.utils import timezone
 
 from batching import canary, stats
 from batching.keys import CANARY_LOCK_KEY, QueueKeys
 from batching.policy import Policy
 from batching.registry import WorkerRegistry
+from batching.topology import REDIS_FAULTS
 from operations.registry import AliasTarget, CanaryTrial, CatalogChange, record_change
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ JUDGE_EVERY_MS = 5000
 FLUSH_LAG_S = 3
 # The most a trial catches up at one look: the 10 s buckets Redis keeps.
 CATCH_UP_S = stats.TTL_S[stats.TEN_SECONDS] - 600
+# A trial not judged for this long (its canary at weight 0, or unmarked) starts again.
+STALE_AFTER_S = 600
 
 
 def rule() -> canary.Rule:
@@ -79,11 +83,16 @@ def judge_canaries(client: redis.Redis, judged_by: canary.Rule, now_s: float) ->
         ]
         if not baseline:
             continue  # nothing to compare with
-        trial = _judged(client, target, baseline, last, judged_by)
-        if trial is not None and trial.state == canary.WORSE:
-            rolled_back += _roll_back(target, trial, baseline, judged_by)
-        elif trial is not None and target.ramp_to > target.weight:
-            _ramp(target, trial, now_s, judged_by)
+        try:
+            trial = _judged(client, target, baseline, last, judged_by)
+            if trial is not None and trial.state == canary.WORSE:
+                rolled_back += _roll_back(target, trial, baseline, judged_by, now_s)
+            elif trial is not None and target.ramp_to > target.weight:
+                _ramp(target, trial, now_s, judged_by)
+        except REDIS_FAULTS:
+            raise  # every canary's alike: the background job logs it once
+        except Exception:  # one canary's failure must not stop the judging of the others
+            log.exception("canary %s of alias %s not judged", target.model, target.alias)
     return rolled_back
 
 
@@ -97,7 +106,7 @@ def _ramp(target: AliasTarget, trial: CanaryTrial, now_s: float, judged_by: cana
     if now_s - trial.ramp_since < settings.SAMPLING_CANARY_RAMP_EVERY_S:
         return
     weight = min(target.ramp_to, max(1, target.weight) * 2)
-    figures = canary.summary(canary.Trial.from_json(trial.sums), judged_by)
+    figures = canary.summary(_trial_of(trial), judged_by)
     with transaction.atomic():
         # Only from the weight judged (an operator may have changed it meanwhile).
         if not AliasTarget.objects.filter(pk=target.pk, weight=target.weight).update(weight=weight):
@@ -128,15 +137,23 @@ def _judged(
     row, _ = CanaryTrial.objects.get_or_create(
         alias=target.alias.name,
         model=target.model.name,
-        defaults={"through_s": last - judged_by.min_clusters * canary.CLUSTER_S},
+        defaults={
+            "through_s": last - judged_by.min_clusters * canary.CLUSTER_S,
+            "target_id": target.pk,
+        },
     )
-    if row.state == canary.WORSE:  # an operator gave it weight again: a new trial
-        CanaryTrial.objects.filter(pk=row.pk).delete()
-        row = CanaryTrial.objects.create(alias=row.alias, model=row.model, through_s=last)
+    if row.target_id != target.pk or row.rolled_back_s or last - row.through_s > STALE_AFTER_S:
+        # The target set again (setalias), given weight after its rollback, or not judged
+        # for a while: a new trial, from now.
+        CanaryTrial.objects.filter(pk=row.pk).update(
+            target_id=target.pk, through_s=last, state=canary.TOO_EARLY, sums={}, readings=[],
+            ramp_since=0.0, rolled_back_s=0.0, started=timezone.now(),
+        )  # fmt: skip
+        row.refresh_from_db()
     first = max(row.through_s + canary.CLUSTER_S, last - CATCH_UP_S)
-    trial = canary.Trial.from_json(row.sums)
-    ours = canary.clusters_of(client, [row.model], first, last)
-    theirs = canary.clusters_of(client, baseline, first, last)
+    trial = _trial_of(row)
+    ours = canary.clusters_of(client, [row.model], first, last, via=row.alias)
+    theirs = canary.clusters_of(client, baseline, first, last, via=row.alias)
     for mine, other in zip(ours, theirs, strict=True):
         trial = trial.plus(mine, other)
     state = trial.state(judged_by)
@@ -152,14 +169,33 @@ def _judged(
     return row
 
 
+def _trial_of(row: CanaryTrial) -> canary.Trial:
+    """A row's trial; a fresh one where its sums do not read (a hand edit, another version)."""
+    try:
+        return canary.Trial.from_json(row.sums)
+    except (KeyError, TypeError, ValueError) as exc:
+        log.error("canary trial of %s in %s unreadable (%r): started again", row.model, row.alias,
+                  exc)  # fmt: skip
+        return canary.Trial()
+
+
 def _roll_back(
-    target: AliasTarget, trial: CanaryTrial, baseline: list[str], judged_by: canary.Rule
+    target: AliasTarget,
+    trial: CanaryTrial,
+    baseline: list[str],
+    judged_by: canary.Rule,
+    now_s: float,
 ) -> int:
-    figures = canary.summary(canary.Trial.from_json(trial.sums), judged_by)
+    figures = canary.summary(_trial_of(trial), judged_by)
     with transaction.atomic():
-        # Only if still taking traffic (an operator may have changed it meanwhile).
-        if not AliasTarget.objects.filter(pk=target.pk, weight__gt=0).update(weight=0):
+        # By name (setalias replaces target rows), and only if it still takes traffic.
+        taking = AliasTarget.objects.filter(
+            alias__name=target.alias.name, model__name=target.model.name, canary=True,
+            weight__gt=0,
+        )  # fmt: skip
+        if not taking.update(weight=0):
             return 0
+        CanaryTrial.objects.filter(pk=trial.pk).update(rolled_back_s=now_s)
         record_change(
             f"rolled back canary {target.model.name} of alias {target.alias.name}: {figures}",
             kind=ROLLBACK,

@@ -20,6 +20,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models, transaction
 from django.db.models.signals import post_delete, post_save
 
+from batching import canary as live_canary
 from batching import catalog as live_catalog
 from batching.topology import REDIS_FAULTS
 from inference_site.redis_client import redis_client
@@ -173,6 +174,7 @@ class CanaryTrial(models.Model):
 
     alias = models.CharField(max_length=64)
     model = models.CharField(max_length=64)
+    target_id = models.BigIntegerField(default=0, help_text="The alias target it judges.")
     started = models.DateTimeField(auto_now_add=True)
     through_s = models.BigIntegerField(help_text="The start (epoch s) of the last 10 s counted.")
     state = models.CharField(max_length=16, default="too early")
@@ -181,6 +183,7 @@ class CanaryTrial(models.Model):
     ramp_since = models.FloatField(
         default=0.0, help_text="Since when (epoch s) its ramp's step has been watched."
     )
+    rolled_back_s = models.FloatField(default=0.0, help_text="When it was rolled back (epoch s).")
     updated = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -190,6 +193,13 @@ class CanaryTrial(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model} of {self.alias}: {self.state}"
+
+    def offline(self) -> str:
+        """Its offline lines on each side (a class of their own, outside the verdict)."""
+        try:
+            return live_canary.offline_summary(live_canary.Trial.from_json(self.sums))
+        except (KeyError, TypeError, ValueError):
+            return "offline lines: not read"
 
 
 def catalog_snapshot() -> live_catalog.Catalog:

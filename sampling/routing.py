@@ -138,4 +138,9 @@ def fallback(process: WebProcess, failed: Route, failure: Failure, sticky: str) 
     entry = catalog.models.get(name) if name is not None else None
     if name is None or entry is None or entry.kind != failed.entry.kind:
         return None
-    return Route(process.model(name), entry, failed.requested)
+    other = process.model(name)
+    checked, to_meet = failed.served.watcher.current, other.watcher.current
+    if (to_meet.max_prompt_bytes < checked.max_prompt_bytes
+            or to_meet.max_new_tokens < checked.max_new_tokens):  # fmt: skip
+        return None  # the request was checked against limits the other target does not have
+    return Route(other, entry, failed.requested)

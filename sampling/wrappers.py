@@ -65,7 +65,7 @@ def unrouted(words: Words, found: Unrouted) -> Handled:
     """A request refused at routing, counted on the model chosen for it."""
     failure = found.failure
     response = answer_failure(words, failure)
-    return Handled(failure.outcome, response, found.served, no_worker=found.served is not None)
+    return Handled(failure.outcome, response, found.served, no_worker=True)
 
 
 Handler = Callable[[HttpRequest, WebProcess, float, Caller], Handled]
@@ -209,7 +209,8 @@ def count_retried(model: ServedModel, arrival: float, failure: Failure) -> None:
     own target too (not in the key's usage, which counts the request once, as it ends)."""
     latency_s = time.monotonic() - arrival
     model.stats.record(failure.outcome, latency_s, via=ROUTED_VIA.get())
-    model.ended(failed=failure.outcome == RequestOutcome.ERROR)
+    if failure.outcome in COOLDOWN_OUTCOMES:
+        model.ended(failed=failure.outcome == RequestOutcome.ERROR)
 
 
 def redis_away(exc: Exception) -> Failure:
