@@ -198,7 +198,7 @@ class Trial:
     baseline: dict[str, Sums] = field(default_factory=lambda: dict.fromkeys(MEASURES, Sums()))
     refused: tuple[int, ...] = ()  # the canary's capacity refusals, last 6 clusters
     # Offline lines answered 200 and failed (5xx): the canary's, then the baseline's.
-    offline: tuple[int, int, int, int] = (0, 0, 0, 0)
+    offline: tuple[int, ...] = (0, 0, 0, 0)
 
     def plus(self, canary: Cluster, baseline: Cluster) -> Trial:
         lines = (canary.offline_ok, canary.offline_errors, baseline.offline_ok,
@@ -207,9 +207,8 @@ class Trial:
             {m: s.plus(canary.requests, canary.bad(m)) for m, s in self.canary.items()},
             {m: s.plus(baseline.requests, baseline.bad(m)) for m, s in self.baseline.items()},
             (*self.refused, canary.refused)[-6:],
-            (self.offline[0] + lines[0], self.offline[1] + lines[1],
-             self.offline[2] + lines[2], self.offline[3] + lines[3]),
-        )  # fmt: skip
+            tuple(total + more for total, more in zip(self.offline, lines, strict=True)),
+        )
 
     def readings(self, rule: Rule) -> list[Reading]:
         found = []

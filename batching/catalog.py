@@ -134,10 +134,6 @@ class Alias:
     targets: tuple[Target, ...]
     created: int = 0
 
-    @property
-    def total_weight(self) -> int:
-        return sum(target.weight for target in self.targets)
-
     def pick(self, sticky: str = "", usable: Callable[[str], bool] | None = None) -> str | None:
         """The target model of a request: by weight, the same one for the same `sticky`
         (an API key, or the request's `user`), at random without one; None when every

@@ -56,6 +56,7 @@ from offline.feeding import collect, feed
 from offline.lines import kind_of
 from offline.models import Job, JobLine, Status
 from offline.standing import affordable, fail_unanswered, refusal_of
+from sampling.routing import key_sticky
 from sampling.runtime import ServedModel, WebProcess, flush_on_exit, web_process
 
 log = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ class Feeder:
         changed); "" to stay."""
         catalog = self.process.catalog.current
         alias = catalog.aliases.get(job.alias) if job.alias else None
-        target = alias.pick(validate.job_sticky(job.key_id)) if alias is not None else None
+        target = alias.pick(key_sticky(job.key_id)) if alias is not None else None
         entry = catalog.models.get(target) if target is not None else None
         if entry is None or entry.name == job.model or entry.kind != kind_of(job.endpoint):
             return ""
@@ -222,8 +223,7 @@ class Feeder:
         """A job's waiting lines withdrawn from its model's lanes; once none is in a call or
         answered and not collected, and its charge is sent, it runs on `target`, fed again
         from its first unanswered line."""
-        # Out of the lanes at every pass (a stale item put back, or a call's give-back, since);
-        # moved only once a pass finds none waiting, taken or answered and not collected.
+        # Withdrawn at every pass: a stale item put back, or a call's give-back, since.
         removed, _ = lanes.withdraw(job.id)
         if removed or lanes.in_calls(job.id) or lanes.withdraw(job.id)[0]:
             return

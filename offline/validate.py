@@ -35,6 +35,7 @@ from offline.lines import (
 )
 from offline.models import Job, JobLine, Status
 from sampling.responses import Invalid
+from sampling.routing import key_sticky
 from sampling.runtime import WebProcess
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ def _model(process: WebProcess, lines: list[Line], key_id: int, kind: str) -> tu
     alias = catalog.aliases.get(name)
     via = ""
     if alias is not None:
-        target = alias.pick(job_sticky(key_id))
+        target = alias.pick(key_sticky(key_id))
         if target is None:
             return "", "", f"the model {name!r} has no target with a weight above 0"
         via, name = name, target
@@ -199,8 +200,3 @@ def _model(process: WebProcess, lines: list[Line], key_id: int, kind: str) -> tu
         problem = f"the model {name!r} is of kind {entry.kind}; the batch's endpoint needs {kind}"
         return "", "", problem
     return name, via, ""
-
-
-def job_sticky(key_id: int) -> str:
-    """What keeps a key's jobs on one target of an alias: its key, as for its requests."""
-    return f"key:{key_id}"

@@ -177,7 +177,7 @@ class CanaryTrial(models.Model):
     target_id = models.BigIntegerField(default=0, help_text="The alias target it judges.")
     started = models.DateTimeField(auto_now_add=True)
     through_s = models.BigIntegerField(help_text="The start (epoch s) of the last 10 s counted.")
-    state = models.CharField(max_length=16, default="too early")
+    state = models.CharField(max_length=16, default=live_canary.TOO_EARLY)
     sums = models.JSONField(default=dict, blank=True)
     readings = models.JSONField(default=list, blank=True)
     ramp_since = models.FloatField(

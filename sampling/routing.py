@@ -59,7 +59,12 @@ def sticky_of(caller: Caller, user: str | None) -> str:
     anonymous request without `user` (split per request)."""
     if user:
         return f"user:{user}"
-    return f"key:{caller.key_id}" if caller.key_id else ""
+    return key_sticky(caller.key_id) if caller.key_id else ""
+
+
+def key_sticky(key_id: int) -> str:
+    """What keeps an API key's requests, and its offline jobs, on one target of an alias."""
+    return f"key:{key_id}"
 
 
 def route(
