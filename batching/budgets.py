@@ -10,27 +10,40 @@ that have a budget with its key poll (twice a second: one pipeline, a field per 
 and model; an owner's: every key of the owner), and refuses from memory a key whose total, or
 whose owner's, reached its budget: no Redis call on the request path.
 
-The refusal comes late by at most the flush interval (SAMPLING_STATS_FLUSH_INTERVAL_S, 1 s)
-plus one poll (0.5 s) after the answer that reached the budget; the key may overshoot its
-budget by what its answers cost in that time, plus what its requests in flight when the
-refusal starts cost. A request's cost is not known before it is sampled (its completion's
-tokens), so no budget of tokens can be exact beforehand; this bound is documented and tested
-(docs/guides/usage.md).
+A request's cost is known only once it is sampled, so a request of a budgeted key holds, at
+admission, the most it may cost (its prompt's bound and every item's `max_tokens`, at its
+model's price) in one script call (batching/lua/hold_spend.lua): refused while what the key's
+requests hold already reaches what is left of its budget (and the same for its owner's).
+Answered, its hold is settled to what it spent; that rest is released once it is in the
+month's totals every process reads (after this process's next flush and two polls). So
+requests in flight overrun a budget by one request's hold at most (docs/guides/usage.md).
 
 Django-free: a redis client, the model names, the budgeted keys and owners in.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import deque
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from decimal import Decimal
 
 import redis
 
-from batching.access import Caller
+from batching import scripts
+from batching.access import KEYS, Caller
 from batching.flush import month_of
-from batching.keys import QueueKeys
+from batching.keys import AccessKeys, QueueKeys
+from batching.ratelimit import COUNTER_TTL_MS, window_of
+from batching.topology import REDIS_FAULTS
+
+log = logging.getLogger(__name__)
+
+# How long a settled hold stays after the flush that put its spend in the month's totals:
+# two polls of every other process (batching.access.POLL_INTERVAL_S), which then read it.
+RELEASE_AFTER_FLUSH_S = 1.0
 
 
 def budget_nanos(budget: Decimal | None) -> int:
@@ -49,17 +62,55 @@ OWNER_SPENT = (
     "the owner of this API key has spent its monthly budget across its keys: they are refused "
     "until the month ends (UTC) or the owner's budget is raised"
 )
+KEY_HELD = (
+    "this API key's requests running or just answered may spend what is left of its monthly "
+    "budget: try again in a second, once their spend is counted"
+)
+OWNER_HELD = (
+    "the requests running or just answered of this API key's owner may spend what is left of "
+    "the owner's monthly budget: try again in a second, once their spend is counted"
+)
+
+
+@dataclass
+class SpendHold:
+    """The most a request of a budgeted key may cost, held against its key's (and owner's)
+    budget from admission until its spend is in the month's totals (Budgets.hold)."""
+
+    budgets: Budgets
+    key: str  # the window's holds
+    fields: tuple[str, ...]
+    nanos: int
+    settled: bool = False
+
+    def settle(self, spent: int) -> None:
+        """The hold lowered to `spent` now (once), and released after the next flush (best
+        effort: Redis away leaves it held until its window lapses, which refuses, never
+        serves, too much)."""
+        if self.settled:
+            return
+        self.settled = True
+        spent = min(max(0, spent), self.nanos)
+        self.budgets.release(self.key, self.fields, self.nanos - spent)
+        if spent:
+            self.budgets.release_after_flush(self.key, self.fields, spent)
 
 
 class Budgets:
     """This process's view of this month's spend of the keys that have a budget, and of the
     owners that have one."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, keys: AccessKeys = KEYS) -> None:
         self.client = client
+        self.keys = keys
         self.month = ""
         self.spent: dict[int, int] = {}  # key id -> spend this month, in billionths
         self.owners_spent: dict[str, int] = {}  # owner -> its keys' spend this month
+        self._hold = scripts.register(client, "hold_spend")
+        self._release = scripts.register(client, "release_spend")
+        # Settled holds: waiting for the next flush, then for their release (monotonic time).
+        self._settled: list[tuple[str, tuple[str, ...], int]] = []
+        self._due: deque[tuple[float, str, tuple[str, ...], int]] = deque()
 
     def refresh(
         self,
@@ -77,7 +128,9 @@ class Budgets:
         if not key_ids:
             self.month, self.spent, self.owners_spent = month, {}, {}
             return
-        names = sorted(set(models))
+        # The month's models with spend too: a model's spend counts after it left the catalog.
+        spent_in = self.client.smembers(self.keys.spent_models(month))
+        names = sorted(set(models) | {name.decode() for name in spent_in})
         with self.client.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.hmget(QueueKeys(name).spend_of_month(month), [str(k) for k in key_ids])
@@ -105,3 +158,64 @@ class Budgets:
         if owner_budget and self.owners_spent.get(caller.owner, 0) >= owner_budget:
             return OWNER_SPENT
         return None
+
+    def hold(
+        self, caller: Caller, nanos: int, now_s: float | None = None
+    ) -> SpendHold | str | None:
+        """`nanos` held against the caller's budgets (None: it has none), or why it is refused:
+        what its requests in flight hold reaches what is left. Raises redis errors."""
+        if not caller.budget_nanos and not caller.owner_budget_nanos:
+            return None
+        now_s = time.time() if now_s is None else now_s
+        refused = self.refusal(caller, now_s)
+        if refused is not None:
+            return refused
+        current = self.month == month_of(now_s)
+        key_left = owner_left = 0
+        if caller.budget_nanos:
+            key_left = caller.budget_nanos - (self.spent.get(caller.key_id, 0) if current else 0)
+        if caller.owner_budget_nanos:
+            spent = self.owners_spent.get(caller.owner, 0) if current else 0
+            owner_left = caller.owner_budget_nanos - spent
+        window = window_of(now_s)
+        key = self.keys.spend_holds(window)
+        fields = (f"k:{caller.key_id}", f"o:{caller.owner}")
+        args = [fields[0], key_left, fields[1], owner_left, max(0, nanos), 2 * COUNTER_TTL_MS]
+        refusal, _ = self._hold(keys=[key, self.keys.spend_holds(window - 1)], args=args)
+        if refusal:
+            return KEY_HELD if int(refusal) == 1 else OWNER_HELD
+        held = tuple(f for f, left in zip(fields, (key_left, owner_left), strict=True) if left)
+        return SpendHold(self, key, held, max(0, nanos))
+
+    def release(self, key: str, fields: tuple[str, ...], nanos: int) -> None:
+        """`nanos` released from each field of the window's holds `key` now."""
+        if nanos <= 0 or not fields:
+            return
+        try:
+            self._release(keys=[key], args=[value for f in fields for value in (f, nanos)])
+        except REDIS_FAULTS as exc:
+            log.warning("a request's budget hold not released: %s", exc)
+
+    def release_after_flush(self, key: str, fields: tuple[str, ...], nanos: int) -> None:
+        self._settled.append((key, fields, nanos))
+
+    def take_settled(self) -> list[tuple[str, tuple[str, ...], int]]:
+        """The holds settled so far, taken before a flush (their spend is in it)."""
+        settled, self._settled = self._settled, []
+        return settled
+
+    def flushed(self, settled: list[tuple[str, tuple[str, ...], int]], ok: bool) -> None:
+        """A flush's end: its holds released RELEASE_AFTER_FLUSH_S from now, or, when it
+        failed (its statistics kept for the next), kept for the next flush."""
+        if not ok:
+            self._settled[:0] = settled
+            return
+        due = time.monotonic() + RELEASE_AFTER_FLUSH_S
+        self._due.extend((due, *hold) for hold in settled)
+
+    def release_due(self) -> None:
+        """The holds whose spend every process has read released (one call each)."""
+        now = time.monotonic()
+        while self._due and self._due[0][0] <= now:
+            _, key, fields, nanos = self._due.popleft()
+            self.release(key, fields, nanos)

@@ -36,7 +36,7 @@ from typing import Any
 import redis
 
 from batching import scripts
-from batching.keys import QueueKeys
+from batching.keys import AccessKeys, QueueKeys
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,19 @@ MONTH_TTL_S = 62 * 24 * 3600
 # A key's spend field in the counts ("k:<key id>:spend", batching.stats), which the flush
 # also adds to its month's total per key (QueueKeys.spend_of_month).
 SPEND_FIELD = re.compile(r"^k:(\d+):spend$")
+
+
+# How often a writer notes its queue among a month's models with spend (note_spent).
+NOTE_EVERY_S = 60.0
+
+
+def note_spent(client: redis.Redis, month: str, queue: str, keys: AccessKeys | None = None) -> None:
+    """`queue` among the models with spend in `month`: what budgets sum over."""
+    name = (keys or AccessKeys()).spent_models(month)
+    with client.pipeline(transaction=False) as pipe:
+        pipe.sadd(name, queue)
+        pipe.expire(name, MONTH_TTL_S)
+        pipe.execute()
 
 
 def month_of(second: float) -> str:
@@ -99,7 +112,9 @@ class Flusher:
         offline.charges), whose next flush is `sequence` + 1; by default a new random id.
         `applied` and `applied_ttl_s`: where its last applied sequence is kept, and how long
         (by default the queue's hash of every writer's, as long as the 10-second buckets)."""
+        self.queue = queue
         self.keys = QueueKeys(queue)
+        self._noted: dict[str, float] = {}  # month -> when this writer last noted its spend
         self.applied = applied or self.keys.stats_applied
         self.applied_ttl_s = applied_ttl_s
         self.clock = clock  # this process's clock: what its seconds are counted by
@@ -150,7 +165,17 @@ class Flusher:
                     if self._unsent and self._unsent[0] is flush:
                         self._unsent.popleft()
                 sent += flush.requests()
+                self._note_spent(client, spend)
         return sent
+
+    def _note_spent(self, client: redis.Redis, spend: Mapping[str, object]) -> None:
+        """This queue among the models with spend in each month of `spend` (again once a
+        minute: Redis may have lost the set since)."""
+        now = time.monotonic()
+        for month in spend:
+            if now - self._noted.get(month, -NOTE_EVERY_S) >= NOTE_EVERY_S:
+                note_spent(client, month, self.queue)
+                self._noted[month] = now
 
     def _script(self, client: redis.Redis) -> Any:
         found = self._scripts.get(id(client))

@@ -184,6 +184,16 @@ class AccessKeys:
         `window` (minutes since the epoch): batching.ratelimit.Reservation."""
         return f"{self.prefix}:tpm:{window}"
 
+    def spent_models(self, month: str) -> str:
+        """A set: the models with spend in `month` (each writer of spend adds its own), so
+        that budgets sum a model's spend after it left the catalog too (batching.budgets)."""
+        return f"{self.prefix}:spent-models:{month}"
+
+    def spend_holds(self, window: int) -> str:
+        """A hash: `k:<key id>` (and `o:<owner>`) -> the billionths its requests in flight
+        hold against its monthly budget, held in rate window `window`: batching.budgets."""
+        return f"{self.prefix}:spend-holds:{window}"
+
 
 @dataclass(frozen=True)
 class ShardKeys:

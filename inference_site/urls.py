@@ -15,3 +15,5 @@ urlpatterns = [
     path("", include("offline.urls")),  # files and batches: offline jobs
     path("", include("sampling.urls")),
 ]
+
+handler400 = "sampling.views.bad_request"

@@ -17,6 +17,8 @@ from django.utils import timezone
 
 from offline.models import Job, JobLine, Purpose, Status, StoredFile
 
+# The statuses of a job that has not ended yet: what may be finalized.
+MOVING = (Status.IN_PROGRESS, Status.CANCELLING, Status.FINALIZING)
 # Why a line has no answer, by the job's end.
 UNANSWERED = {
     Status.CANCELLED: ("batch_cancelled", "the batch was cancelled before this request ran"),
@@ -36,9 +38,13 @@ def ending_of(job: Job) -> Status:
 def finalize(job: Job, status: Status) -> None:
     """The job's files written whole from its lines, then its end `status`. Idempotent: a
     job left finalizing (its feeder killed, a write failed) is finalized again from its lines;
-    a file of the broken attempt may stay in storage, unreferenced."""
-    now = timezone.now()
-    job.save(update_fields=job.mark(Status.FINALIZING, now))
+    a file of the broken attempt may stay in storage, unreferenced. A job that ended already
+    (finalized by another feeder while this one stalled) is left as it is."""
+    fields = job.mark(Status.FINALIZING, timezone.now())
+    moving = Job.objects.filter(id=job.id, status__in=MOVING)
+    if not moving.update(**{name: getattr(job, name) for name in fields}):
+        job.refresh_from_db()
+        return
     outputs: list[bytes] = []
     errors: list[bytes] = []
     # In chunks read whole: no cursor left open (a reader holds SQLite's shared lock, and
@@ -53,8 +59,23 @@ def finalize(job: Job, status: Status) -> None:
         job.error_file = _store(job, "errors", errors) if errors else None
         job.completed = sum(1 for _ in outputs)
         job.failed = len(errors)
-        job.save(update_fields=["output_file", "error_file", "completed", "failed",
-                                *job.mark(status, timezone.now())])  # fmt: skip
+        fields = [
+            "output_file",
+            "error_file",
+            "completed",
+            "failed",
+            *job.mark(status, timezone.now()),
+        ]
+        ended = Job.objects.filter(id=job.id, status=Status.FINALIZING).update(
+            **{name: getattr(job, name) for name in fields}
+        )
+        if not ended:  # ended meanwhile by another feeder: its files stand
+            transaction.set_rollback(True)
+    if not ended:
+        for stored in (job.output_file, job.error_file):
+            if stored is not None:
+                stored.content.delete(save=False)
+        job.refresh_from_db()
 
 
 def _line(job: Job, row: JobLine, status: Status) -> bytes:

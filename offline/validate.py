@@ -78,22 +78,28 @@ def run(process: WebProcess, job: Job) -> None:
         job.save(update_fields=["errors", *job.mark(Status.FAILED, now)])
         return
     # Each chunk its own short transaction: a long write transaction would hold SQLite's lock
-    # from every other process. A validation cut short is done again from the start: its
-    # lines are deleted first.
-    JobLine.objects.filter(job=job).delete()
+    # from every other process. A validation cut short is done again: the lines it wrote stay
+    # (the same rows), and one made by a feeder that stalled past its lock while its successor
+    # validated and ran the job changes nothing: a line's row is never deleted nor replaced.
     for start in range(0, len(lines), CREATE_CHUNK):
         JobLine.objects.bulk_create(
-            JobLine(job=job, line=line.index, custom_id=line.custom_id)
-            for line in lines[start : start + CREATE_CHUNK]
-        )
+            (JobLine(job=job, line=line.index, custom_id=line.custom_id)
+             for line in lines[start : start + CREATE_CHUNK]),
+            ignore_conflicts=True,
+        )  # fmt: skip
     _answer_unreadable(job, unreadable)
     entry = process.catalog.current.models.get(model)  # priced once, for every line
     price = entry.batch_price if entry is not None else Price()
     with transaction.atomic():
-        Job.objects.filter(id=job.id).update(
+        # Only a job no one validated yet (a stalled feeder's late run changes nothing).
+        validated = Job.objects.filter(id=job.id, model="").update(
             model=model, alias=via, total=len(lines) + len(unreadable), failed=len(unreadable),
             prompt_price_nanos=price.prompt_nanos, completion_price_nanos=price.completion_nanos,
         )  # fmt: skip
+        if not validated:
+            log.warning("job %s was validated meanwhile (by another feeder)", job.id)
+            job.refresh_from_db()
+            return
         # Only a job still validating moves on: a cancel meanwhile stands.
         Job.objects.filter(id=job.id, status=Status.VALIDATING).update(
             status=Status.IN_PROGRESS, in_progress_at=now
@@ -153,7 +159,7 @@ def _answer_unreadable(job: Job, unreadable: dict[int, tuple[str, str]]) -> None
         for status, body in [refused(Invalid(why, code="invalid_line"))]
     ]  # fmt: skip
     for start in range(0, len(rows), CREATE_CHUNK):
-        JobLine.objects.bulk_create(rows[start : start + CREATE_CHUNK])
+        JobLine.objects.bulk_create(rows[start : start + CREATE_CHUNK], ignore_conflicts=True)
 
 
 def _error(message: str, index: int | None = None) -> dict[str, Any]:

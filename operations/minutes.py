@@ -121,6 +121,7 @@ def _rebuild_month_spend(client: redis.Redis, queue: str, now_s: float) -> None:
         pipe.expire(total_key, flushing.MONTH_TTL_S)
         pipe.set(keys.stats_epoch, secrets.token_hex(6))
         pipe.execute()
+    flushing.note_spent(client, month, queue)
 
 
 def _seed_and_advance(client: redis.Redis, queue: str, oldest: int, last: int) -> None:

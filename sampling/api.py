@@ -152,7 +152,9 @@ def _stream(
 ) -> Handled:
     """A `stream`ing request: joined as any, then answered by events as its text comes."""
     model = found.served
-    entered = enter(model, caller, items, deadline, policy.deadline_ms, stream=True)
+    entered = enter(
+        model, caller, items, deadline, policy.deadline_ms, stream=True, price=found.entry.price
+    )
     if isinstance(entered, Failure):
         return Handled(entered.outcome, answer_failure(openai_failure, entered), model)
     ends = Ends.of(request, model, caller, found.entry.price, parsed.n)
@@ -275,7 +277,7 @@ def _inference(
     except Invalid as invalid:
         return Handled(RequestOutcome.BAD_REQUEST, inference_invalid(invalid))
     answers = submit(model, caller, [parsed.input], arrival + policy.deadline_ms / 1000,
-                     policy.deadline_ms)  # fmt: skip
+                     policy.deadline_ms, price=found.entry.price)  # fmt: skip
     if isinstance(answers, Failure):
         return Handled(answers.outcome, _inference_failure(answers, request_id), model)
     charge(model.stats, caller, answers, found.entry.price)

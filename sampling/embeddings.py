@@ -45,7 +45,7 @@ def _embeddings(
     # A text's UTF-8 bytes bound its tokens: what a key with a tokens limit reserves.
     reserve = sum(len(text.encode()) for text in texts)
     answers = submit(model, caller, items, arrival + deadline_ms / 1000, deadline_ms,
-                     reserve=reserve)  # fmt: skip
+                     price=found.entry.price, reserve=reserve)  # fmt: skip
     if isinstance(answers, Failure):
         return Handled(answers.outcome, answer_failure(openai_failure, answers), model)
     tokens = charge(model.stats, caller, answers, found.entry.price, embedding=True)

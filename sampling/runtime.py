@@ -77,6 +77,7 @@ class ServedModel:
     live_read_at: float = 0.0  # monotonic
     failures_in_row: int = 0  # its requests that ended in an error of its own, in a row
     cool_until: float = 0.0  # monotonic: no new requests through an alias before then
+    budgets: Budgets | None = None  # its web process's (sampling.submission: budget holds)
 
     def __post_init__(self) -> None:
         self.loop = PeriodicLoop(
@@ -207,6 +208,7 @@ class WebProcess:
             )
             # Stored before it reads Redis: a request meanwhile (another greenlet) shares it.
             found = self.models[name] = make_model(self.client, name, limiter)
+            found.budgets = self.budgets
             found.start()
         return found
 
@@ -231,6 +233,7 @@ class WebProcess:
         self.default.start()
         self.access.after_poll(self._refresh_token_charges)
         self.access.after_poll(self.refresh_budgets)
+        self.access.after_poll(self.budgets.release_due)
         self.access.start()
         self.flush_loop.start()
         self.jobs_loop.start()
@@ -252,10 +255,13 @@ class WebProcess:
     def _flush(self) -> None:
         """Every model's statistics and the keys' last use (all kept for the next try on a
         failure)."""
+        settled, flushed = self.budgets.take_settled(), False
         try:
             for served in list(self.models.values()):
                 served.stats.flush(self.client)
+            flushed = True
         finally:
+            self.budgets.flushed(settled, flushed)
             self.access.flush_last_used()
 
     def _run_jobs(self) -> None:

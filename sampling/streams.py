@@ -330,7 +330,7 @@ class _Events:
                 self.feed.wait(min(remaining, LEFT_CHECK_S))
             done = Answers(answer for answer in self.answers if answer is not None)
             done.from_cache = self.entered.answers.from_cache
-            done.reservation = self.entered.answers.reservation
+            done.held_from(self.entered.answers)
             self.charged = True  # first: an exit during the charge never charges it twice
             tokens = self.ends.charge(done)
             if self.include_usage:

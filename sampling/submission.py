@@ -25,6 +25,7 @@ from batching import cache
 from batching.access import Caller
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer, to_wire
+from batching.budgets import KEY_HELD, OWNER_HELD, Budgets, SpendHold
 from batching.catalog import Price
 from batching.generation import SampleRequest
 from batching.items import Joined, Ticket
@@ -43,6 +44,9 @@ from sampling.shedding import JOINED_AT, QuickestAnswers
 log = logging.getLogger(__name__)
 
 QUEUE_UNAVAILABLE = "batch queue unavailable"
+# Tokens a chat template or a tokenizer may add to a prompt, and to each message of a chat:
+# with the prompt's UTF-8 bytes (each token is one at least), the bound of its tokens.
+TEMPLATE_TOKENS = 8
 # One quick reconnect (a pooled connection gone stale after a broker restart), no more: a
 # broker that refuses twice is not back within a deadline. Celery's default retries for ~1 s.
 PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.05, "interval_max": 0.05}
@@ -57,6 +61,7 @@ class RequestPath(Protocol):
     stats: RequestStats
     limiter: RateLimiter
     quickest: QuickestAnswers
+    budgets: Budgets | None
 
 
 def unavailable(message: str = QUEUE_UNAVAILABLE) -> Failure:
@@ -81,6 +86,18 @@ class Answers(list[Answer]):
     cache: str = ""
     from_cache: frozenset[int] = frozenset()
     reservation: Reservation | None = None  # its key's tokens held from admission
+    hold: SpendHold | None = None  # its key's budget held from admission
+
+    def settle(self, used: int | None, spent: int | None) -> None:
+        """The request's tokens reservation settled to `used` tokens, and its budget hold to
+        `spent` billionths (None: kept whole)."""
+        if self.reservation is not None:
+            self.reservation.settle(self.reservation.tokens if used is None else used)
+        if self.hold is not None:
+            self.hold.settle(self.hold.nanos if spent is None else spent)
+
+    def held_from(self, other: Answers) -> None:
+        self.reservation, self.hold = other.reservation, other.hold
 
     def headers(self) -> dict[str, str]:
         return {"x-cache": self.cache} if self.cache else {}
@@ -130,13 +147,11 @@ def _record(
     used: int | None,
 ) -> None:  # fmt: skip
     """`tokens` and their cost counted to the caller's key (nothing for none); the request's
-    tokens reservation settled to `used` (None: kept whole)."""
-    if tokens.prompt or tokens.completion:
-        spend = price.of(tokens.prompt, tokens.completion)
+    tokens reservation settled to `used`, its budget hold to the cost (None: kept whole)."""
+    spend = price.of(tokens.prompt, tokens.completion)
+    if spend or tokens.prompt or tokens.completion:
         stats.record_usage(caller.key_id, *tokens, spend_nanos=spend)
-    reservation = answers.reservation
-    if reservation is not None:
-        reservation.settle(reservation.tokens if used is None else used)
+    answers.settle(used, None if used is None else spend)
 
 
 class Entered(NamedTuple):
@@ -154,12 +169,13 @@ def submit(
     deadline: float,
     deadline_ms: int,
     *,
+    price: Price | None = None,
     reserve: int | None = None,
 ) -> Answers | Failure:
     """Every item's answer (each a completion, in order), or why the request gets none.
-    `deadline` is monotonic; `deadline_ms` the policy's, for messages; `reserve`: as enter's.
-    A failure settles the request's tokens reservation to nothing."""
-    entered = enter(process, caller, items, deadline, deadline_ms, reserve=reserve)
+    `deadline` is monotonic; `deadline_ms` the policy's, for messages; `price` and `reserve`:
+    as enter's. A failure settles the request's reservation and budget hold to nothing."""
+    entered = enter(process, caller, items, deadline, deadline_ms, price=price, reserve=reserve)
     if isinstance(entered, Failure):
         return entered
     answers = entered.answers
@@ -168,8 +184,7 @@ def submit(
         answer = _wait(ticket, batches, deadline, deadline_ms)
         failure = answer if isinstance(answer, Failure) else failure_of(answer, deadline_ms)
         if failure is not None:
-            if answers.reservation is not None:
-                answers.reservation.settle(0)
+            answers.settle(0, 0)
             return failure
         assert isinstance(answer, Answer)
         answers.append(answer)
@@ -184,12 +199,15 @@ def enter(
     deadline_ms: int,
     *,
     stream: bool = False,
+    price: Price | None = None,
     reserve: int | None = None,
 ) -> Entered | Failure:
     """The request's items joined to their batches, or why it cannot be. The items of a
     caller with a request limit join its key's shard, and the call raises its counter
     (batching.ratelimit). A caller with a tokens limit reserves `reserve` tokens first (by
-    default every item's max tokens). With the response cache on, an item whose output its
+    default every item's max tokens; given, the request is an embedding's: its input's
+    bound). A caller with a budget holds the most the request may cost at `price` (None: an
+    anonymous endpoint's, nothing). With the response cache on, an item whose output its
     input determines is looked up in the same call (batching.cache): a hit joins no batch.
     `stream`: the items are marked streaming (their worker publishes their text as it comes)."""
     limited = process.limiter.check(caller)  # the model's requests per minute
@@ -202,17 +220,21 @@ def enter(
         too_late = _too_late(process, deadline, deadline_ms)
         if too_late is not None:
             return too_late
+    answers = Answers()
     reservation = _reserve(process, caller, items, policy.max_new_tokens, reserve)
     if not isinstance(reservation, Reservation | None):
         return reservation
+    answers.reservation = reservation
+    hold = _hold(process, caller, items, policy.max_new_tokens, price, reserve)
+    if not isinstance(hold, SpendHold | None):
+        answers.settle(0, 0)
+        return hold
+    answers.hold = hold
     joining = list(zip(digests, items, strict=True))
     tickets = _join(process, caller, joining, policy.version, deadline, deadline_ms, stream)
     if isinstance(tickets, Failure):
-        if reservation is not None:
-            reservation.settle(0)
+        answers.settle(0, 0)
         return tickets
-    answers = Answers()
-    answers.reservation = reservation
     asked = sum(1 for digest in digests if digest)
     if asked:
         answers.from_cache = frozenset(
@@ -260,6 +282,53 @@ def _reserve(
         log.error("cannot reach Redis to reserve a request's tokens: %r", exc)
         return unavailable()
     return _limited(reserved) if isinstance(reserved, Limited) else reserved
+
+
+def _hold(
+    process: RequestPath,
+    caller: Caller,
+    items: Sequence[str | SampleRequest],
+    max_new_tokens: int,
+    price: Price | None,
+    embedded: int | None,
+) -> SpendHold | Failure | None:
+    """The most the request may cost held against its key's budgets (None: no budget), or
+    its refusal: what its key's requests in flight hold reaches what is left (429, in a
+    second), its budget spent (429 insufficient_quota), Redis away (503). `embedded`: an
+    embedding's input bound, its only tokens."""
+    if process.budgets is None or price is None:
+        return None
+    if not caller.budget_nanos and not caller.owner_budget_nanos:
+        return None
+    if embedded is not None:
+        nanos = price.of(embedded + TEMPLATE_TOKENS * len(items), 0)
+    else:
+        prompts = sum(_prompt_bound(item) for item in items)
+        completions = sum(max_new_tokens if isinstance(item, str) else
+                          (item.max_tokens or max_new_tokens) for item in items)  # fmt: skip
+        nanos = price.of(prompts, completions)
+    try:
+        held = process.budgets.hold(caller, nanos)
+    except REDIS_FAULTS as exc:
+        log.error("cannot reach Redis to hold a request's budget: %r", exc)
+        return unavailable()
+    if not isinstance(held, str):
+        return held
+    if held in (KEY_HELD, OWNER_HELD):  # not spent yet: in a second, as answers settle
+        return Failure(Problem.RATE_LIMITED, held, 1)
+    return Failure(Problem.OVER_BUDGET, held)
+
+
+def _prompt_bound(item: str | SampleRequest) -> int:
+    """The most tokens an item's prompt may take: its UTF-8 bytes, and the template's."""
+    if isinstance(item, str):
+        return len(item.encode()) + TEMPLATE_TOKENS
+    if item.messages:
+        return TEMPLATE_TOKENS + sum(
+            len(role.encode()) + len(content.encode()) + TEMPLATE_TOKENS
+            for role, content in item.messages
+        )
+    return len(item.prompt.encode()) + TEMPLATE_TOKENS
 
 
 def cancel(process: RequestPath, tickets: Sequence[Ticket]) -> None:

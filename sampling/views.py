@@ -20,7 +20,7 @@ from batching.outcomes import RequestOutcome
 from batching.problems import Failure
 from batching.topology import REDIS_FAULTS
 from sampling import metrics
-from sampling.responses import Invalid
+from sampling.responses import Invalid, openai_invalid
 from sampling.routing import Route, Unrouted, route, sticky_of
 from sampling.runtime import ServedModel, WebProcess, web_process
 from sampling.streams import Ends, text_stream
@@ -89,7 +89,9 @@ def _stream(
 ) -> Handled:  # fmt: skip
     """`?stream=1`: the prompt's text as it is sampled, plain, chunked (sampling.streams)."""
     model = found.served
-    entered = enter(model, caller, [prompt], deadline, deadline_ms, stream=True)
+    entered = enter(
+        model, caller, [prompt], deadline, deadline_ms, stream=True, price=found.entry.price
+    )
     if isinstance(entered, Failure):
         return Handled(entered.outcome, answer_failure(_failure, entered), model)
     ends = Ends.of(request, model, caller, found.entry.price)
@@ -149,3 +151,12 @@ def _not_ready(reason: str) -> HttpResponse:
     # a server error: keep it out of django.request's ERROR log.
     response._has_been_logged = True  # type: ignore[attr-defined]
     return response
+
+
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """Django's 400 (a body its parsers refuse: a multipart upload without a boundary, a
+    file name past the limits) in the API's own words: OpenAI's error JSON under /v1/."""
+    reason = f"the request cannot be read: {str(exception)[:200] or type(exception).__name__}"
+    if request.path.startswith("/v1/"):
+        return openai_invalid(Invalid(reason, code="invalid_request"))
+    return _reason(400, reason)

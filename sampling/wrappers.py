@@ -194,14 +194,16 @@ def submitted(
     an alias, a failure before any text reached the client is sent once more, within the
     same deadline, to the caller's next choice among the other targets (routing.fallback)."""
     deadline = arrival + deadline_ms / 1000
-    answers = submit(found.served, caller, items, deadline, deadline_ms)
+    answers = submit(found.served, caller, items, deadline, deadline_ms, price=found.entry.price)
     if not isinstance(answers, Failure):
         return found, answers
     other = fallback(web_process(), found, answers, sticky)
     if other is None or time.monotonic() >= deadline:
         return found, answers
     count_retried(found.served, arrival, answers)
-    return other, submit(other.served, caller, items, deadline, deadline_ms)
+    return other, submit(
+        other.served, caller, items, deadline, deadline_ms, price=other.entry.price
+    )
 
 
 def count_retried(model: ServedModel, arrival: float, failure: Failure) -> None:

@@ -205,6 +205,24 @@ def test_hostile_parameters_get_a_4xx_that_says_why(
     assert json.loads(reply.body)["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("multipart/form-data", b"purpose=batch"),  # no boundary
+        ("multipart/form-data; boundary=b",
+         b'--b\r\nContent-Disposition: form-data; name="file"; filename="' + b"f" * 5000
+         + b'.jsonl"\r\nContent-Type: application/octet-stream\r\n\r\n{}\n\r\n--b--\r\n'),
+    ],
+)  # fmt: skip
+def test_an_upload_the_parser_refuses_gets_the_api_s_own_4xx(
+    stack: Stack, client: OpenAI, content_type: str, body: bytes
+) -> None:
+    headers = {"Authorization": f"Bearer {client.api_key}", "Content-Type": content_type}
+    reply = request(stack.base_url, "/v1/files", body, headers=headers)
+    assert 400 <= reply.status < 500, reply
+    assert json.loads(reply.body)["error"]["message"], reply
+
+
 def test_a_job_whose_input_cannot_be_read_fails_and_is_counted(
     stack: Stack, client: OpenAI
 ) -> None:

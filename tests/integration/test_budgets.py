@@ -2,21 +2,24 @@
 a Celery worker, the `openai` client): a key's spend in `/v1/usage` is exactly its answers'
 tokens at the model's registered prices; a key with a monthly budget is refused with 429
 `insufficient_quota` once its spend reaches it, within the documented delay and overshoot;
-served again once its budget is raised."""
+served again once its budget is raised. A burst of concurrent requests passes its budget by
+one request's hold at most (each holds the most it may cost from admission)."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 
 import openai
 import pytest
 from openai import OpenAI
 
-from batching.budgets import OWNER_SPENT
+from batching.budgets import KEY_HELD, OWNER_SPENT
 from inference_site.lib.stack import Stack
+from sampling.submission import TEMPLATE_TOKENS
 from tests.support import unique_queue
 from tests.support.http import request
 from tests.support.keys import bearer, create_key, known_everywhere
@@ -83,6 +86,9 @@ def spend_until_refused(
                 model=model, prompt=f"spend {i}"
             )
         except openai.RateLimitError as exc:
+            if exc.code == "rate_limit_exceeded":  # the last answers' holds: not spent yet
+                time.sleep(float(exc.response.headers["retry-after"]))  # as the client would
+                continue
             refusal, refused_at = exc, time.monotonic()
             break
         answered.append((time.monotonic(), cost(completion.usage)))
@@ -173,3 +179,37 @@ def test_spend_counts_per_model_and_keys_without_a_budget_are_never_refused(
     wait_until(lambda: spend_of(stack, key) == total, what=f"spend {total} in /v1/usage")
     reply = request(stack.base_url, "/v1/usage", method="GET", headers=bearer(key))
     assert [m["model"] for m in json.loads(reply.body)["data"]] == [priced]
+
+
+def test_a_burst_passes_its_budget_by_one_request_s_hold_at_most(stack: Stack, priced: str) -> None:
+    """Ten concurrent requests of 20 choices each: all would be admitted on the spend read
+    before them (none yet). Each holds the most it may cost, so once the holds reach what is
+    left the others get a 429 to try again, and the spend stays within the budget and one
+    request's hold."""
+    budget, n, max_tokens = Decimal("0.5"), 20, 8
+    key = create_key(stack, unique_queue("burst"), "--monthly-budget", str(budget))
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
+    wait_until(lambda: known_everywhere(stack, key), what="the key in every web process")
+    wait_until(lambda: registered(client, priced), what="the prices in every web process")
+    prompts = [f"burst {i}" for i in range(10)]
+
+    def one(prompt: str) -> Decimal | openai.RateLimitError:
+        try:
+            reply = client.completions.create(model=priced, prompt=prompt, n=n,
+                                              max_tokens=max_tokens)  # fmt: skip
+        except openai.RateLimitError as exc:
+            return exc
+        return cost(reply.usage)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(one, prompts))
+    paid = [result for result in results if isinstance(result, Decimal)]
+    refused = [result for result in results if not isinstance(result, Decimal)]
+    assert paid, refused
+    assert all(exc.code == "rate_limit_exceeded" for exc in refused), refused
+    assert all(isinstance(exc.body, dict) and exc.body["message"] == KEY_HELD for exc in refused)
+    total = sum(paid, Decimal(0))
+    wait_until(lambda: spend_of(stack, key) == total, what=f"spend {total} in /v1/usage")
+    prompt_bound = max(len(p.encode()) for p in prompts) + TEMPLATE_TOKENS
+    hold = (PROMPT_PRICE * prompt_bound + COMPLETION_PRICE * max_tokens) * n / 1000
+    assert total <= budget + hold

@@ -8,11 +8,21 @@ from decimal import Decimal
 import pytest
 import redis
 
+from batching import budgets as budgets_module
 from batching.access import Caller, KeyRecord
-from batching.budgets import KEY_SPENT, OWNER_SPENT, Budgets, budget_nanos
+from batching.budgets import (
+    KEY_HELD,
+    KEY_SPENT,
+    OWNER_HELD,
+    OWNER_SPENT,
+    Budgets,
+    SpendHold,
+    budget_nanos,
+)
 from batching.catalog import Price, nanos_as_decimal
 from batching.flush import month_of
-from batching.keys import QueueKeys
+from batching.keys import AccessKeys, QueueKeys
+from batching.ratelimit import window_of
 from batching.stats import RequestStats, read_buckets, usage_of
 
 NOVEMBER = datetime(2026, 11, 30, 23, 59, 58, tzinfo=UTC).timestamp()
@@ -113,3 +123,81 @@ def test_a_caller_reads_records_of_older_and_newer_publishers() -> None:
     assert KeyRecord.from_json(json.dumps(older)).caller == Caller(3, "k", "free", 1, 10, 20, 30)
     newer = {**json.loads(record.to_json()), "some_later_field": 5}  # a rolling upgrade's
     assert KeyRecord.from_json(json.dumps(newer)) == record
+
+
+def test_requests_in_flight_hold_the_budget_left_and_release_it_once_their_spend_is_read(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budgeted key's requests hold their most cost at admission: one is refused once what
+    they hold reaches what is left, whatever it would cost; an answer's hold falls to its
+    spend at once, and to nothing after the flush that counts it (and its release delay)."""
+    monkeypatch.setattr(budgets_module, "RELEASE_AFTER_FLUSH_S", 0.0)
+    keys = AccessKeys(f"test-{uuid.uuid4().hex[:8]}")
+    budgets = Budgets(redis_client, keys)
+    budgets.refresh({7: 1000}, [], now_s=NOVEMBER)
+    capped = Caller(7, "k", "free", 0, budget_nanos=1000)
+    held_key = keys.spend_holds(window_of(NOVEMBER))
+
+    def held() -> int:
+        return int(redis_client.hget(held_key, "k:7") or 0)
+
+    try:
+        assert budgets.hold(Caller(7, "k", "free", 0), 500, now_s=NOVEMBER) is None  # no budget
+        first = budgets.hold(capped, 600, now_s=NOVEMBER)
+        second = budgets.hold(capped, 600, now_s=NOVEMBER)  # 600 held < 1000 left: admitted
+        assert isinstance(first, SpendHold)
+        assert isinstance(second, SpendHold)
+        assert budgets.hold(capped, 1, now_s=NOVEMBER) == KEY_HELD  # 1200 held >= 1000 left
+        first.settle(100)  # answered: it spent 100
+        assert held() == 700
+        first.settle(0)  # once only
+        assert held() == 700
+        second.settle(0)  # failed: nothing spent, released at once
+        assert held() == 100
+        settled = budgets.take_settled()
+        budgets.flushed(settled, ok=False)  # a failed flush keeps them for the next
+        assert budgets.take_settled() == settled
+        budgets.flushed(settled, ok=True)
+        budgets.release_due()
+        assert held() == 0
+        # The next window still reads this one's holds.
+        later = budgets.hold(capped, 1000, now_s=NOVEMBER)
+        assert isinstance(later, SpendHold)
+        assert budgets.hold(capped, 1, now_s=NOVEMBER + 60) == KEY_HELD
+    finally:
+        redis_client.delete(held_key, keys.spend_holds(window_of(NOVEMBER) + 1))
+
+
+def test_an_owner_s_holds_count_all_its_keys_requests(redis_client: redis.Redis) -> None:
+    keys = AccessKeys(f"test-{uuid.uuid4().hex[:8]}")
+    budgets = Budgets(redis_client, keys)
+    budgets.refresh({}, [], now_s=NOVEMBER, owners_keys={"acme": {7, 8}})
+
+    def key_of(key_id: int) -> Caller:
+        return Caller(key_id, "k", "free", 0, owner="acme", owner_budget_nanos=1000)
+
+    try:
+        assert isinstance(budgets.hold(key_of(7), 1000, now_s=NOVEMBER), SpendHold)
+        assert budgets.hold(key_of(8), 1, now_s=NOVEMBER) == OWNER_HELD
+        assert redis_client.hgetall(keys.spend_holds(window_of(NOVEMBER))) == {b"o:acme": b"1000"}
+    finally:
+        redis_client.delete(keys.spend_holds(window_of(NOVEMBER)))
+
+
+def test_a_models_spend_counts_after_it_left_the_catalog(redis_client: redis.Redis) -> None:
+    """Budgets sum every model with spend this month, not only those the catalog lists now:
+    a model unregistered mid-month takes nothing off its keys' spend."""
+    queue = f"test-gone-{uuid.uuid4().hex[:8]}"
+    key_id = 10**9 + uuid.uuid4().int % 10**8  # no other test's key
+    stats = RequestStats(queue)
+    stats.record_usage(key_id, 10, 5, 0, now=NOVEMBER, spend_nanos=321)
+    spent_models = AccessKeys().spent_models(month_of(NOVEMBER))
+    try:
+        stats.flush(redis_client)
+        assert queue.encode() in redis_client.smembers(spent_models)
+        budgets = Budgets(redis_client)
+        budgets.refresh({key_id: 10**6}, [], now_s=NOVEMBER)  # the catalog lists it no more
+        assert budgets.spent == {key_id: 321}
+    finally:
+        redis_client.srem(spent_models, queue)
+        redis_client.delete(*redis_client.keys(f"{QueueKeys(queue).tag}*"))

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from batching import access, stats
 from batching.budgets import Budgets
-from batching.keys import QueueKeys
+from batching.keys import AccessKeys, QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
 from inference_site import redis_client as web_redis
@@ -155,6 +155,12 @@ def test_usage_goes_to_its_own_rows_and_reads_back_whole_across_the_marker(
     assert UsageMinute.objects.get(queue=queue).key is None
 
 
+def _own_scope() -> AccessKeys:
+    """Keys of a scope no writer of spend notes models in: budgets read only the queues
+    given (other tests' queues hold spend of the same database ids)."""
+    return AccessKeys(f"test-{unique_queue('scope')}")
+
+
 def _key(name: str) -> ApiKey:
     key = ApiKey(name=name, tier=Tier.objects.get(name="plus"))
     key.issue()
@@ -290,7 +296,7 @@ def test_spend_and_month_totals_are_the_same_after_redis_lost_its_data(
     recorder.record_usage(other.pk, 1, 1, 0, now=in_minute, spend_nanos=40)
     recorder.flush(live_redis)
     housekeeping.persist_minutes(live_redis, queue, now)
-    budgets = Budgets(live_redis)
+    budgets = Budgets(live_redis, _own_scope())  # this queue's spend only
     budgets.refresh({key.pk: 10**6, other.pk: 10**6}, [queue], now_s=now)
     before = dict(budgets.spent)
     assert before == {key.pk: 700, other.pk: 40}
@@ -320,6 +326,6 @@ def test_a_marker_that_expired_in_an_intact_redis_rebuilds_nothing(
     housekeeping.persist_minutes(live_redis, queue, now)  # the marker there: the epoch too
     live_redis.delete(QueueKeys(queue).persisted_minute)
     housekeeping.persist_minutes(live_redis, queue, now)
-    budgets = Budgets(live_redis)
+    budgets = Budgets(live_redis, _own_scope())  # this queue's spend only
     budgets.refresh({key.pk: 10**6}, [queue], now_s=now)
     assert budgets.spent == {key.pk: 70}

@@ -21,9 +21,9 @@ SCRIPT_NAMES = sorted(path.stem for path in scripts.LUA_DIR.glob("*.lua") if pat
 def test_every_script_is_known() -> None:
     assert SCRIPT_NAMES == [
         "admission", "advance_persisted", "answer_backfill", "append_items", "claim_name",
-        "clear_dirty", "clock", "close", "flush_stats", "heartbeat", "jobs_held", "publish",
-        "reserve_tokens", "return_backfill", "seal", "settle_tokens", "take_due",
-        "take_feeder_lock", "trim_done", "withdraw",
+        "clear_dirty", "clock", "close", "flush_stats", "heartbeat", "hold_spend", "jobs_held",
+        "publish", "release_spend", "reserve_tokens", "return_backfill", "seal",
+        "settle_tokens", "take_due", "take_feeder_lock", "trim_done", "withdraw",
     ]  # fmt: skip
 
 
