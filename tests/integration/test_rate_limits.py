@@ -20,6 +20,7 @@ from openai import OpenAI
 from batching import access, ratelimit
 from batching.keys import ShardKeys
 from inference_site.lib.stack import Stack
+from tests.support import unique_queue
 from tests.support.http import Reply, request, sample
 from tests.support.keys import bearer, create_key, known_everywhere
 from tests.support.waiting import wait_until
@@ -30,12 +31,19 @@ WEB_PROCESSES = 4
 
 
 @pytest.fixture(scope="module")
-def limited(start_stack: Callable[..., Stack]) -> Stack:
+def embedder() -> str:
+    return unique_queue("limited-embed")
+
+
+@pytest.fixture(scope="module")
+def limited(start_stack: Callable[..., Stack], embedder: str) -> Stack:
+    queue = unique_queue("limited")
     return start_stack(
         "limited",
-        env={"SAMPLER": "simulated", "SAMPLING_REQUIRE_API_KEY": "1"},
+        env={"SAMPLER": "simulated", "SAMPLING_REQUIRE_API_KEY": "1", "SAMPLING_QUEUE": queue,
+             "SAMPLING_MODELS": f"{queue}=simulated,{embedder}=simulated-embedder"},
         web_processes=WEB_PROCESSES,
-    )
+    )  # fmt: skip
 
 
 def fresh_window(needed_s: float = 15.0) -> None:
@@ -214,6 +222,29 @@ def test_completion_tokens_used_refuse_the_key(limited: Stack) -> None:
         access.KEYS.tokens(ratelimit.window_of(time.time())), str(_key_id(limited, key))
     )
     assert int(charged or 0) >= spent
+
+
+def test_an_embedding_s_input_tokens_count_against_its_key_s_tpm(
+    limited: Stack, embedder: str
+) -> None:
+    """An embedding reserves its input's bytes (its tokens' bound) and settles to its input
+    tokens: a key whose embeddings used its tokens per minute is refused until the window
+    ends, as it is for completion tokens."""
+    tpm = 20
+    key = new_limited_key(limited, "--tpm", str(tpm))
+    fresh_window()
+    client = OpenAI(base_url=f"{limited.base_url}/v1", api_key=key, max_retries=0)
+    first = client.embeddings.create(model=embedder, input=" ".join(f"w{i}" for i in range(tpm)))
+    assert first.usage.prompt_tokens >= tpm
+
+    def refused() -> bool:
+        try:
+            client.embeddings.create(model=embedder, input="one more")
+        except openai.RateLimitError as refusal:
+            return refusal.code == "rate_limit_exceeded"
+        return False
+
+    wait_until(refused, 2 * access.POLL_INTERVAL_S + 1, "the key refused for its tokens")
 
 
 def test_a_key_without_limits_gets_no_rate_headers(limited: Stack) -> None:
