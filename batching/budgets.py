@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -34,9 +34,10 @@ import redis
 
 from batching import scripts
 from batching.access import KEYS, Caller
+from batching.catalog import Price
 from batching.flush import month_of
+from batching.generation import SampleRequest
 from batching.keys import AccessKeys, QueueKeys
-from batching.ratelimit import COUNTER_TTL_MS, window_of
 from batching.topology import REDIS_FAULTS
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,17 @@ log = logging.getLogger(__name__)
 # How long a settled hold stays after the flush that put its spend in the month's totals:
 # two polls of every other process (batching.access.POLL_INTERVAL_S), which then read it.
 RELEASE_AFTER_FLUSH_S = 1.0
+# Holds count in windows of this length, the current and the previous one read: a hold lasts
+# at least a window, longer than any request (a policy's deadline is 10 minutes at most) and
+# its release; one never released (its process killed) lapses within two.
+HOLD_WINDOW_S = 15 * 60
+HOLD_TTL_MS = 3 * HOLD_WINDOW_S * 1000
+# Tokens a tokenizer may add to a prompt, and a chat template to each message: with the
+# prompt's UTF-8 bytes (each token is one at least), the bound of its tokens.
+TEMPLATE_TOKENS = 8
+# Tokens a chat template may add to a chat as a whole: its default system turn included
+# (SmolLM2's is 19 tokens, with its generation prompt 22 in all).
+CHAT_TEMPLATE_TOKENS = 64
 
 
 def budget_nanos(budget: Decimal | None) -> int:
@@ -177,10 +189,10 @@ class Budgets:
         if caller.owner_budget_nanos:
             spent = self.owners_spent.get(caller.owner, 0) if current else 0
             owner_left = caller.owner_budget_nanos - spent
-        window = window_of(now_s)
+        window = int(now_s // HOLD_WINDOW_S)
         key = self.keys.spend_holds(window)
         fields = (f"k:{caller.key_id}", f"o:{caller.owner}")
-        args = [fields[0], key_left, fields[1], owner_left, max(0, nanos), 2 * COUNTER_TTL_MS]
+        args = [fields[0], key_left, fields[1], owner_left, max(0, nanos), HOLD_TTL_MS]
         refusal, _ = self._hold(keys=[key, self.keys.spend_holds(window - 1)], args=args)
         if refusal:
             return KEY_HELD if int(refusal) == 1 else OWNER_HELD
@@ -219,3 +231,28 @@ class Budgets:
         while self._due and self._due[0][0] <= now:
             _, key, fields, nanos = self._due.popleft()
             self.release(key, fields, nanos)
+
+
+def most_cost(
+    items: Sequence[str | SampleRequest], max_new_tokens: int, price: Price, embedded: int | None
+) -> int:
+    """The most a request of `items` may cost at `price`: each prompt's bound, each item's
+    `max_tokens` (else `max_new_tokens`); `embedded`: an embedding's input bound, its only
+    tokens."""
+    if embedded is not None:
+        return price.of(embedded + TEMPLATE_TOKENS * len(items), 0)
+    completions = sum(max_new_tokens if isinstance(item, str) else
+                      (item.max_tokens or max_new_tokens) for item in items)  # fmt: skip
+    return price.of(sum(prompt_bound(item) for item in items), completions)
+
+
+def prompt_bound(item: str | SampleRequest) -> int:
+    """The most tokens an item's prompt may take: its UTF-8 bytes, and the template's."""
+    if isinstance(item, str):
+        return len(item.encode()) + TEMPLATE_TOKENS
+    if item.messages:
+        return CHAT_TEMPLATE_TOKENS + sum(
+            len(role.encode()) + len(content.encode()) + TEMPLATE_TOKENS
+            for role, content in item.messages
+        )
+    return len(item.prompt.encode()) + TEMPLATE_TOKENS

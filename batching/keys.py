@@ -191,7 +191,8 @@ class AccessKeys:
 
     def spend_holds(self, window: int) -> str:
         """A hash: `k:<key id>` (and `o:<owner>`) -> the billionths its requests in flight
-        hold against its monthly budget, held in rate window `window`: batching.budgets."""
+        hold against its monthly budget, held in window `window` (batching.budgets:
+        HOLD_WINDOW_S)."""
         return f"{self.prefix}:spend-holds:{window}"
 
 

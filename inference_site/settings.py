@@ -333,6 +333,11 @@ SAMPLING_FEEDER_LOCK_TTL_S = env_float(
 # stored by a rename, not a copy, and never in a small /tmp (a Kubernetes pod's: 64 Mi).
 FILE_UPLOAD_MAX_MEMORY_SIZE = 2_621_440
 SAMPLING_UPLOAD_TEMP_DIR = env_str("SAMPLING_UPLOAD_TEMP_DIR", str(Path(MEDIA_ROOT) / ".uploading"))
+# How fast a web process reads an upload's body at most (bytes a second; 0: as fast as it
+# comes): an upload read at full speed takes a core from the requests its process serves.
+SAMPLING_UPLOAD_BYTES_PER_S = env_int(
+    "SAMPLING_UPLOAD_BYTES_PER_S", 16 * 2**20, minimum=0, maximum=2**40
+)
 # The settings above are each queue's policy until an operator saves one in the admin
 # (operations.models.SamplingPolicy), which reaches every process within a second.
 # The batch fill the stats page's GPU-count recommendation plans for (the rest is headroom).

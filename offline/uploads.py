@@ -27,6 +27,9 @@ from django.http import HttpRequest
 # takes so long.
 ABANDONED_S = 6 * 3600
 SUFFIX = ".upload"
+# What the multipart parser reads at once (Django's default: 64 KiB). gunicorn reads a body
+# ahead and copies what it holds at each read: fewer, larger reads copy less.
+CHUNK_BYTES = 512 * 1024
 
 
 class _BesideTheFiles(TemporaryUploadedFile):
@@ -38,17 +41,45 @@ class _BesideTheFiles(TemporaryUploadedFile):
         UploadedFile.__init__(self, file, name, content_type, size, charset, content_type_extra)
 
 
+class _InMemoryHandler(MemoryFileUploadHandler):
+    chunk_size = CHUNK_BYTES
+
+
 class _BesideTheFilesHandler(TemporaryFileUploadHandler):
+    chunk_size = CHUNK_BYTES
+
     def new_file(self, *args: Any, **kwargs: Any) -> None:
         FileUploadHandler.new_file(self, *args, **kwargs)
         self.file = _BesideTheFiles(self.file_name, self.content_type, 0, self.charset,
                                     self.content_type_extra)  # fmt: skip
 
+    def receive_data_chunk(self, raw_data: bytes, start: int) -> None:
+        """The chunk written, then paced (_pace)."""
+        super().receive_data_chunk(raw_data, start)
+        _pace(len(raw_data))
+
+
+# When this process's uploads, read at SAMPLING_UPLOAD_BYTES_PER_S together, may go on
+# (monotonic): the pace is the process's, however many uploads it receives at once.
+_paced_until = 0.0
+
+
+def _pace(size: int) -> None:
+    """Wait out `size` bytes' share of SAMPLING_UPLOAD_BYTES_PER_S after this process's
+    uploads' earlier bytes: the wait lets its other requests run (gevent), and the client
+    waits in TCP."""
+    global _paced_until
+    rate = settings.SAMPLING_UPLOAD_BYTES_PER_S
+    if rate:
+        now = time.monotonic()
+        _paced_until = max(_paced_until, now) + size / rate
+        time.sleep(_paced_until - now)
+
 
 def receive_beside_the_files(request: HttpRequest) -> None:
     """The request's upload, once parsed, in memory (small) or beside the files (else); call
     before its POST or FILES is read."""
-    request.upload_handlers = [MemoryFileUploadHandler(request), _BesideTheFilesHandler(request)]
+    request.upload_handlers = [_InMemoryHandler(request), _BesideTheFilesHandler(request)]
 
 
 def sweep_abandoned(now: float | None = None) -> int:

@@ -56,8 +56,7 @@ def checked(process: WebProcess, job: Job) -> None:
     except Exception as exc:  # the file cannot be read, or a line breaks what reads it
         log.exception("job %s: its input file cannot be validated", job.id)
         count_failure("validated")
-        job.errors = [_error(f"the input file cannot be validated: {type(exc).__name__}")]
-        job.save(update_fields=["errors", *job.mark(Status.FAILED, timezone.now())])
+        _fail(job, [_error(f"the input file cannot be validated: {type(exc).__name__}")])
 
 
 def run(process: WebProcess, job: Job) -> None:
@@ -74,8 +73,7 @@ def run(process: WebProcess, job: Job) -> None:
                 errors.append(over)
     now = timezone.now()
     if errors:
-        job.errors = errors[:MAX_ERRORS]
-        job.save(update_fields=["errors", *job.mark(Status.FAILED, now)])
+        _fail(job, errors[:MAX_ERRORS])
         return
     # Each chunk its own short transaction: a long write transaction would hold SQLite's lock
     # from every other process. A validation cut short is done again: the lines it wrote stay
@@ -104,6 +102,18 @@ def run(process: WebProcess, job: Job) -> None:
         Job.objects.filter(id=job.id, status=Status.VALIDATING).update(
             status=Status.IN_PROGRESS, in_progress_at=now
         )
+    job.refresh_from_db()
+
+
+def _fail(job: Job, errors: list[dict[str, Any]]) -> None:
+    """The job failed with `errors`, if it is still validating and no one validated it: a
+    feeder that stalled past its lock while its successor validated and ran the job (the
+    catalog, the key's other jobs or the file changed since) leaves it as it is."""
+    job.errors = errors
+    fields = ["errors", *job.mark(Status.FAILED, timezone.now())]
+    unvalidated = Job.objects.filter(id=job.id, status=Status.VALIDATING, model="")
+    if not unvalidated.update(**{name: getattr(job, name) for name in fields}):
+        log.warning("job %s was validated or cancelled meanwhile: not failed", job.id)
     job.refresh_from_db()
 
 

@@ -25,7 +25,7 @@ from batching import cache
 from batching.access import Caller
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer, to_wire
-from batching.budgets import KEY_HELD, OWNER_HELD, Budgets, SpendHold
+from batching.budgets import KEY_HELD, OWNER_HELD, Budgets, SpendHold, most_cost
 from batching.catalog import Price
 from batching.generation import SampleRequest
 from batching.items import Joined, Ticket
@@ -44,9 +44,6 @@ from sampling.shedding import JOINED_AT, QuickestAnswers
 log = logging.getLogger(__name__)
 
 QUEUE_UNAVAILABLE = "batch queue unavailable"
-# Tokens a chat template or a tokenizer may add to a prompt, and to each message of a chat:
-# with the prompt's UTF-8 bytes (each token is one at least), the bound of its tokens.
-TEMPLATE_TOKENS = 8
 # One quick reconnect (a pooled connection gone stale after a broker restart), no more: a
 # broker that refuses twice is not back within a deadline. Celery's default retries for ~1 s.
 PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.05, "interval_max": 0.05}
@@ -300,13 +297,7 @@ def _hold(
         return None
     if not caller.budget_nanos and not caller.owner_budget_nanos:
         return None
-    if embedded is not None:
-        nanos = price.of(embedded + TEMPLATE_TOKENS * len(items), 0)
-    else:
-        prompts = sum(_prompt_bound(item) for item in items)
-        completions = sum(max_new_tokens if isinstance(item, str) else
-                          (item.max_tokens or max_new_tokens) for item in items)  # fmt: skip
-        nanos = price.of(prompts, completions)
+    nanos = most_cost(items, max_new_tokens, price, embedded)
     try:
         held = process.budgets.hold(caller, nanos)
     except REDIS_FAULTS as exc:
@@ -317,18 +308,6 @@ def _hold(
     if held in (KEY_HELD, OWNER_HELD):  # not spent yet: in a second, as answers settle
         return Failure(Problem.RATE_LIMITED, held, 1)
     return Failure(Problem.OVER_BUDGET, held)
-
-
-def _prompt_bound(item: str | SampleRequest) -> int:
-    """The most tokens an item's prompt may take: its UTF-8 bytes, and the template's."""
-    if isinstance(item, str):
-        return len(item.encode()) + TEMPLATE_TOKENS
-    if item.messages:
-        return TEMPLATE_TOKENS + sum(
-            len(role.encode()) + len(content.encode()) + TEMPLATE_TOKENS
-            for role, content in item.messages
-        )
-    return len(item.prompt.encode()) + TEMPLATE_TOKENS
 
 
 def cancel(process: RequestPath, tickets: Sequence[Ticket]) -> None:

@@ -3,8 +3,9 @@
 -- hold already reaches what is left of the budget, else added to it. Its hold is settled to
 -- what it spent once answered, and released once that spend is in the month's totals every
 -- process reads: requests in flight cannot overrun a budget by more than one request's hold.
--- Holds count in one-minute windows; a request's hold lives in the window it was made in,
--- and the last two windows are read (a hold never settled lapses with its window).
+-- Holds count in windows longer than any request (batching.budgets.HOLD_WINDOW_S); a
+-- request's hold lives in the window it was made in, and the last two windows are read (a
+-- hold never settled lapses with its window).
 -- KEYS[1]: this window's holds, KEYS[2]: the previous window's (hashes: field -> billionths)
 -- ARGV[1]: the key's field, ARGV[2]: what is left of the key's budget (0: no budget),
 -- ARGV[3]: the owner's field, ARGV[4]: what is left of the owner's budget (0: no budget),

@@ -17,9 +17,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from batching.budgets import KEY_HELD, OWNER_SPENT
+from batching.budgets import KEY_HELD, OWNER_SPENT, TEMPLATE_TOKENS
 from inference_site.lib.stack import Stack
-from sampling.submission import TEMPLATE_TOKENS
 from tests.support import unique_queue
 from tests.support.http import request
 from tests.support.keys import bearer, create_key, known_everywhere

@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from batching.budgets import prompt_bound
 from batching.embeddings import decode
-from batching.generation import Completion, FinishReason, Row, RowSettings, render_chat_plain
+from batching.generation import (
+    Completion,
+    FinishReason,
+    Row,
+    RowSettings,
+    SampleRequest,
+    render_chat_plain,
+)
 from inference_site.lib.stack import ROOT
 from tests.support.tiny_model import TINY_CONTEXT_TOKENS, build_tiny_model
 from workers.samplers.base import MAX_BATCH, GenerationSettings, PromptRejected
@@ -343,3 +351,23 @@ def test_a_chat_is_rendered_with_the_model_s_template(tiny: HFSampler) -> None:
 
 def test_packaged_smollm2_rows_match_alone(smollm2: HFSampler) -> None:
     check_rows_match_alone(smollm2, mixed_rows(smollm2, 8))
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        "hi", "", "é" * 40, "漢字 " * 20, "E equals ",
+        SampleRequest(messages=(("user", "hi"),)),
+        SampleRequest(messages=(("user", ""),)),
+        SampleRequest(messages=(("tool", "x"),)),
+        SampleRequest(messages=(("system", "be brief"), ("user", "漢字 " * 20),
+                                ("assistant", "ok"), ("user", "again"))),
+    ],
+)  # fmt: skip
+def test_a_budget_hold_bounds_the_prompt_tokens_the_packaged_model_charges(
+    smollm2: HFSampler, item: str | SampleRequest
+) -> None:
+    """A budgeted request holds its prompt's bound (sampling.submission): never fewer tokens
+    than the worker charges, its chat template's default system turn included."""
+    text = item if isinstance(item, str) else smollm2.render_chat(item.messages)
+    assert smollm2.count_tokens(text) <= prompt_bound(item)

@@ -22,7 +22,6 @@ from batching.budgets import (
 from batching.catalog import Price, nanos_as_decimal
 from batching.flush import month_of
 from batching.keys import AccessKeys, QueueKeys
-from batching.ratelimit import window_of
 from batching.stats import RequestStats, read_buckets, usage_of
 
 NOVEMBER = datetime(2026, 11, 30, 23, 59, 58, tzinfo=UTC).timestamp()
@@ -136,7 +135,8 @@ def test_requests_in_flight_hold_the_budget_left_and_release_it_once_their_spend
     budgets = Budgets(redis_client, keys)
     budgets.refresh({7: 1000}, [], now_s=NOVEMBER)
     capped = Caller(7, "k", "free", 0, budget_nanos=1000)
-    held_key = keys.spend_holds(window_of(NOVEMBER))
+    window = int(NOVEMBER // budgets_module.HOLD_WINDOW_S)
+    held_key = keys.spend_holds(window)
 
     def held() -> int:
         return int(redis_client.hget(held_key, "k:7") or 0)
@@ -160,12 +160,13 @@ def test_requests_in_flight_hold_the_budget_left_and_release_it_once_their_spend
         budgets.flushed(settled, ok=True)
         budgets.release_due()
         assert held() == 0
-        # The next window still reads this one's holds.
+        # The next window still reads this one's holds: a request that lasts its deadline.
         later = budgets.hold(capped, 1000, now_s=NOVEMBER)
         assert isinstance(later, SpendHold)
-        assert budgets.hold(capped, 1, now_s=NOVEMBER + 60) == KEY_HELD
+        assert budgets.hold(capped, 1, now_s=NOVEMBER + 600) == KEY_HELD
+        assert budgets.hold(capped, 1, now_s=NOVEMBER + budgets_module.HOLD_WINDOW_S) == KEY_HELD
     finally:
-        redis_client.delete(held_key, keys.spend_holds(window_of(NOVEMBER) + 1))
+        redis_client.delete(held_key, keys.spend_holds(window + 1))
 
 
 def test_an_owner_s_holds_count_all_its_keys_requests(redis_client: redis.Redis) -> None:
@@ -179,9 +180,10 @@ def test_an_owner_s_holds_count_all_its_keys_requests(redis_client: redis.Redis)
     try:
         assert isinstance(budgets.hold(key_of(7), 1000, now_s=NOVEMBER), SpendHold)
         assert budgets.hold(key_of(8), 1, now_s=NOVEMBER) == OWNER_HELD
-        assert redis_client.hgetall(keys.spend_holds(window_of(NOVEMBER))) == {b"o:acme": b"1000"}
+        window = int(NOVEMBER // budgets_module.HOLD_WINDOW_S)
+        assert redis_client.hgetall(keys.spend_holds(window)) == {b"o:acme": b"1000"}
     finally:
-        redis_client.delete(keys.spend_holds(window_of(NOVEMBER)))
+        redis_client.delete(keys.spend_holds(int(NOVEMBER // budgets_module.HOLD_WINDOW_S)))
 
 
 def test_a_models_spend_counts_after_it_left_the_catalog(redis_client: redis.Redis) -> None:

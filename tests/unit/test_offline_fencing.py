@@ -77,3 +77,18 @@ def test_a_stalled_feeders_late_finalization_leaves_the_ended_job_as_it_is() -> 
         Status.COMPLETED, ended.output_file_id, ended.completed_at,
     )  # fmt: skip
     assert StoredFile.objects.count() == files
+
+
+def test_a_stalled_feeders_late_validation_fails_no_running_job() -> None:
+    """What the stalled feeder finds wrong now (the model left the catalog, the file gone)
+    is not the running job's failure."""
+    job = _job()
+    stale = Job.objects.get(id=job.id)
+    validate.run(_process(), job)
+    _answer(job, range(3))
+    gone = cast(Any, SimpleNamespace(catalog=SimpleNamespace(current=Catalog.of([]))))
+    validate.checked(gone, stale)
+    job.input_file.content.delete(save=False)
+    validate.checked(_process(), stale)
+    job.refresh_from_db()
+    assert (job.status, job.errors, job.completed) == (Status.IN_PROGRESS, None, 3)
