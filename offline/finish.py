@@ -40,9 +40,7 @@ def finalize(job: Job, status: Status) -> None:
     job left finalizing (its feeder killed, a write failed) is finalized again from its lines;
     a file of the broken attempt may stay in storage, unreferenced. A job that ended already
     (finalized by another feeder while this one stalled) is left as it is."""
-    fields = job.mark(Status.FINALIZING, timezone.now())
-    moving = Job.objects.filter(id=job.id, status__in=MOVING)
-    if not moving.update(**{name: getattr(job, name) for name in fields}):
+    if not job.saved_where(job.mark(Status.FINALIZING, timezone.now()), status__in=MOVING):
         job.refresh_from_db()
         return
     outputs: list[bytes] = []
@@ -66,9 +64,7 @@ def finalize(job: Job, status: Status) -> None:
             "failed",
             *job.mark(status, timezone.now()),
         ]
-        ended = Job.objects.filter(id=job.id, status=Status.FINALIZING).update(
-            **{name: getattr(job, name) for name in fields}
-        )
+        ended = job.saved_where(fields, status=Status.FINALIZING)
         if not ended:  # ended meanwhile by another feeder: its files stand
             transaction.set_rollback(True)
     if not ended:

@@ -158,6 +158,12 @@ class Job(models.Model):
         field = _STATUS_TIMES.get(Status(status))
         return getattr(self, field) if field else None
 
+    def saved_where(self, fields: list[str], **conditions: Any) -> bool:
+        """`fields` saved only where the job's row still meets `conditions` (a feeder that
+        stalled past its lock must not undo its successor's work); whether they were."""
+        rows = Job.objects.filter(id=self.id, **conditions)
+        return bool(rows.update(**{name: getattr(self, name) for name in fields}))
+
     def mark(self, status: Status, now: Any) -> list[str]:
         """Move to `status` at `now`; the fields to save."""
         self.status = status

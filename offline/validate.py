@@ -111,8 +111,7 @@ def _fail(job: Job, errors: list[dict[str, Any]]) -> None:
     catalog, the key's other jobs or the file changed since) leaves it as it is."""
     job.errors = errors
     fields = ["errors", *job.mark(Status.FAILED, timezone.now())]
-    unvalidated = Job.objects.filter(id=job.id, status=Status.VALIDATING, model="")
-    if not unvalidated.update(**{name: getattr(job, name) for name in fields}):
+    if not job.saved_where(fields, status=Status.VALIDATING, model=""):
         log.warning("job %s was validated or cancelled meanwhile: not failed", job.id)
     job.refresh_from_db()
 

@@ -7,6 +7,7 @@ one request's hold at most (each holds the most it may cost from admission)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -80,17 +81,13 @@ def spend_until_refused(
     answered: list[tuple[float, Decimal]] = []  # (when, what it cost) of every 200
     refusal: openai.RateLimitError | None = None
     for i in range(200):
-        try:
-            completion = clients[i % len(clients)].completions.create(
-                model=model, prompt=f"spend {i}"
-            )
-        except openai.RateLimitError as exc:
-            if exc.code == "rate_limit_exceeded":  # the last answers' holds: not spent yet
-                time.sleep(float(exc.response.headers["retry-after"]))  # as the client would
-                continue
-            refusal, refused_at = exc, time.monotonic()
+        ask = functools.partial(_answer_or_refusal, clients[i % len(clients)], model, f"spend {i}")
+        found = wait_until(ask, what="served or refused")
+        if isinstance(found, openai.RateLimitError):
+            refusal, refused_at = found, time.monotonic()
             break
-        answered.append((time.monotonic(), cost(completion.usage)))
+        assert found is not None  # wait_until returns a truthy value
+        answered.append((time.monotonic(), cost(found.usage)))
     assert refusal is not None, "never refused"
     assert (refusal.code, refusal.type) == ("insufficient_quota", "insufficient_quota")
     # When the budget was reached, and what came after it.
@@ -106,6 +103,17 @@ def spend_until_refused(
     # The overshoot: the answers in that delay, the last one of the budget's own excepted.
     assert total - budget <= overshoot + answered[-1][1]
     return answered, refusal
+
+
+def _answer_or_refusal(
+    client: OpenAI, model: str, prompt: str
+) -> openai.types.Completion | openai.RateLimitError | None:
+    """A completion, or its refusal for the budget; None while the key's last answers still
+    hold what is left of it (a 429 to try again, once their spend is counted)."""
+    try:
+        return client.completions.create(model=model, prompt=prompt)
+    except openai.RateLimitError as exc:
+        return None if exc.code == "rate_limit_exceeded" else exc
 
 
 def served(client: OpenAI, model: str) -> bool:
