@@ -32,6 +32,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.sampler.models import prompts_of_tokens
+from workers.samplers.attention import grouped_attention_on
 from workers.samplers.base import Completion, GenerationSettings, Row, RowSettings
 from workers.samplers.hf import HFSampler
 from workers.samplers.static_decode import Bucket, StaticDecoder, bucket_for
@@ -71,7 +72,9 @@ def graphs(sampler: HFSampler) -> StaticDecoder:
     decoder = sampler.decoder
     assert decoder is not None
     assert decoder.graphs  # captured at load, before any call
-    assert all(bucket.graph is not None for bucket in decoder.buckets.values())
+    # A graph per width, greedy and sampled, in every bucket.
+    kinds = {(width, sampled) for width in decoder.widths for sampled in (False, True)}
+    assert all(set(bucket.graphs) == kinds for bucket in decoder.buckets.values())
     return decoder
 
 
@@ -111,13 +114,13 @@ def rows_of(prompts: list[str]) -> list[Row]:
 
 
 def first_step(decoder: StaticDecoder, bucket: Bucket, prompts: list[list[int]]) -> torch.Tensor:
-    """The logits of the first decode step after the prompts' prefill: replayed where the
-    bucket has a graph, run eagerly where it has none."""
-    logits, ids = decoder._prefill(bucket, prompts)
-    bucket.token[: len(prompts), 0] = logits[: len(prompts)].argmax(dim=-1)
-    bucket.position.add_(1)
-    bucket.mask[:, 0, 0, ids.shape[1]] = True
-    return decoder._step(bucket)[: len(prompts)].clone()
+    """The logits of the first decode step after the prompts' prefill, at the widest width
+    and greedy: replayed where the bucket has a graph, run eagerly where it has none."""
+    width = decoder.capacity
+    with grouped_attention_on(decoder.model):
+        logits = decoder._prefill(bucket, prompts)
+        decoder._choose(bucket, logits, sampled=False)
+        return decoder._step(bucket, width, sampled=False)[: len(prompts)].clone()
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -130,8 +133,8 @@ def test_a_replayed_step_equals_the_same_step_run_eagerly_bit_for_bit(
     with torch.inference_mode():
         replayed = first_step(graphs, graphs.buckets[rows], ids)
         stepped = first_step(eager, eager.buckets[rows], ids)
-    assert graphs.buckets[rows].graph is not None
-    assert eager.buckets[rows].graph is None
+    assert graphs.buckets[rows].graphs
+    assert not eager.buckets[rows].graphs
     assert torch.equal(replayed, stepped)
 
 
@@ -176,7 +179,7 @@ def test_a_padded_batch_equals_each_prompt_alone(exact: HFSampler, prompts: list
 
 def test_a_capture_for_100_rows_serves_37_prompts(exact: HFSampler, prompts: list[str]) -> None:
     hundred = exact.static_decoder(graphs=True, buckets=(100,))
-    assert hundred.buckets[100].graph is not None
+    assert hundred.buckets[100].graphs
     chosen = prompts[3:40]
     with decoding_with(exact, hundred):
         served = exact.batched_sample(chosen)

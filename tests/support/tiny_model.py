@@ -10,7 +10,9 @@ from pathlib import Path
 TINY_CONTEXT_TOKENS = 64
 
 
-def build_tiny_model(directory: Path, seed: int = 1234) -> Path:
+def build_tiny_model(
+    directory: Path, seed: int = 1234, context_tokens: int = TINY_CONTEXT_TOKENS
+) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -25,7 +27,7 @@ def build_tiny_model(directory: Path, seed: int = 1234) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=TINY_CONTEXT_TOKENS,
+        max_position_embeddings=context_tokens,
         # Wide initial weights give well-separated logits, so greedy choices are not near-ties
         # that float rounding in a padded batch could flip.
         initializer_range=0.5,

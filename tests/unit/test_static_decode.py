@@ -12,9 +12,13 @@ from tests.unit.test_settings import manage_check
 from workers.samplers.base import MAX_BATCH
 from workers.samplers.hf import CUDA_GRAPH_MODES
 from workers.samplers.static_decode import (
+    CHUNK_STEPS,
+    DECODE_WIDTHS,
     DEFAULT_PROMPT_TOKENS,
     GRAPH_BATCH_SIZES,
     bucket_for,
+    chunk_sizes,
+    decode_widths,
     left_padded,
     prefill_mask,
     prompt_positions,
@@ -49,17 +53,40 @@ def test_prompts_are_padded_on_the_left_and_filler_rows_added() -> None:
 def test_prefill_mask_is_causal_over_real_tokens_and_pad_attends_to_itself() -> None:
     _, valid = left_padded([[1, 2, 3], [4]], rows=2, pad_token_id=PAD)
     real = torch.tensor(valid)
-    mask = prefill_mask(real, capacity=6)
-    assert mask.shape == (2, 1, 3, 6)
+    mask = prefill_mask(real)
+    # Over the prompt's own positions only: the attention cuts the cache to the mask's width.
+    assert mask.shape == (2, 1, 3, 3)
     assert mask.dtype == torch.bool
     full = mask[0, 0].int().tolist()
-    assert full == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
+    assert full == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
     padded = mask[1, 0].int().tolist()
     # Pad positions see only themselves; the real token sees itself (not the pads before it).
-    assert padded == [[1, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0]]
-    # No query attends to nothing, and nothing attends past the prompt into the cache.
+    assert padded == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    # No query attends to nothing.
     assert bool(mask.any(dim=-1).all())
-    assert not bool(mask[..., 3:].any())
+
+
+def test_chunks_of_steps_double_to_their_bound_and_32_steps_take_7_reads() -> None:
+    sizes = chunk_sizes()
+    chunks = [next(sizes) for _ in range(7)]
+    assert chunks == [1, 2, 4, CHUNK_STEPS, CHUNK_STEPS, CHUNK_STEPS, CHUNK_STEPS]
+    # The first token comes from the prefill; the reads of a 32-step call, as _decode makes
+    # them: the first token's, then each chunk's.
+    sizes, launched, reads = chunk_sizes(), 1, 1
+    while launched < 32:
+        launched += min(next(sizes), 32 - launched)
+        reads += 1
+    assert reads == 7
+
+
+def test_a_call_attends_over_the_narrowest_width_that_holds_it() -> None:
+    widths = decode_widths(543)
+    assert widths == [*DECODE_WIDTHS, 543]
+    assert [bucket_for(n, widths) for n in (1, 64, 65, 200, 256, 257, 543)] == [
+        64, 64, 128, 256, 256, 543, 543,
+    ]  # fmt: skip
+    assert decode_widths(100) == [64, 100]
+    assert decode_widths(64) == [64]
 
 
 def test_positions_count_from_each_prompt_s_first_real_token_as_generate_does() -> None:

@@ -194,7 +194,12 @@ class HFSampler(Sampler):
         """A static-cache decoder for this model, sized for the queue's settings: with CUDA
         graphs (a GPU only), or its steps run eagerly (any device; the tests' reference)."""
         return StaticDecoder(
-            self.model, self.tokenizer.pad_token_id, self._graph_capacity(), buckets, graphs
+            self.model,
+            self.tokenizer.pad_token_id,
+            self._graph_capacity(),
+            buckets,
+            graphs,
+            self._eos_ids,
         )
 
     def use_static_cache(self, graphs: bool = True) -> bool:
@@ -310,7 +315,7 @@ class HFSampler(Sampler):
         if sink is not None and streaming:
             ends.streams = RowStreams(streaming, settings, self.tokenizer, self._eos_ids, sink,
                                       [len(ids) for ids in prompts])  # fmt: skip
-        sampling = RowSampling(settings, self.device)
+        sampling = RowSampling(settings, self.device, prompt_length)
         max_new_tokens = max(row.max_tokens for row in settings)
         decoder = self.decoder
         if decoder is not None and decoder.fits(len(prompts), prompt_length, max_new_tokens):

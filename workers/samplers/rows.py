@@ -4,11 +4,10 @@ One call serves up to 100 requests, each with its own temperature, top-p, seed, 
 stop strings. Hugging Face's `generate` applies one setting to the whole batch, so the call
 runs greedy (argmax) and these two hooks make it row by row:
 
-- `RowSampling` (a logits processor) leaves a greedy row's scores alone, so it stays exactly
-  greedy, and turns a sampled row's scores into a draw by the Gumbel-max trick: the argmax of
-  log p - log E, with E exponential noise, is a sample from p. The noise comes from the row's
-  own generator (seeded by the request's seed), so a seeded row gets the same tokens whatever
-  else shares its batch. Temperature and top-p are applied per row before the draw.
+- `RowSampling` holds each row's temperature, top-p and seed as tensors. A greedy row stays
+  exactly greedy (the argmax); a sampled row draws where a uniform number, hashed from its seed
+  and the step, falls in its probabilities (workers.samplers.draws). So a seeded row gets the
+  same tokens whatever else shares its batch, on either path.
 - `RowEnds` (a stopping criterion) ends each row at its own max tokens, at an end-of-sequence
   token, or once its text contains one of its stop strings, and remembers which and when:
   the sampler keeps only the row's tokens up to its end. With `RowStreams` it also sends each
@@ -29,6 +28,7 @@ from transformers import LogitsProcessor, StoppingCriteria
 
 from batching.generation import FinishReason, RowSettings
 from batching.streaming import INCOMPLETE_CHARACTER, StreamedText, StreamSink
+from workers.samplers.draws import chosen_tokens, seed_key
 
 # Tokens decoded beyond a stop string's length when looking for it: a token may decode to
 # part of a character, or to nothing (a special token).
@@ -36,47 +36,38 @@ STOP_WINDOW_SLACK = 4
 
 
 class RowSampling(LogitsProcessor):
-    def __init__(self, settings: list[RowSettings], device: str) -> None:
-        self.rows = [index for index, row in enumerate(settings) if not row.greedy]
-        if not self.rows:
-            return
-        sampled = [settings[index] for index in self.rows]
-        self.index = torch.tensor(self.rows, device=device)
-        self.temperatures = torch.tensor(
-            [[row.temperature] for row in sampled], dtype=torch.float32, device=device
+    """Each row's settings as tensors on the call's device ([rows, 1] each, `greedy` [rows]),
+    for the static decoder's steps (workers.samplers.static_decode) and, as a logits processor,
+    for eager `generate`: both draw the same tokens (workers.samplers.draws)."""
+
+    def __init__(self, settings: list[RowSettings], device: str, prompt_length: int = 0) -> None:
+        self.prompt_length = prompt_length  # where `generate`'s new tokens start
+        self.sampled = any(not row.greedy for row in settings)
+        # A request without a seed gets a fresh stream.
+        keys = [seed_key(row.seed if row.seed is not None else secrets.randbits(63))
+                for row in settings]  # fmt: skip
+        self.greedy = torch.tensor([row.greedy for row in settings], device=device)
+        self.temperature = torch.tensor(
+            [[row.temperature if not row.greedy else 1.0] for row in settings],
+            dtype=torch.float32,
+            device=device,
         )
-        self.top_p = torch.tensor([[row.top_p] for row in sampled], device=device)
-        self.nucleus = any(row.top_p < 1 for row in sampled)
-        self.generators = []
-        for row in sampled:
-            generator = torch.Generator(device=device)
-            # A request without a seed gets a fresh stream; torch takes any signed 64-bit seed.
-            generator.manual_seed(row.seed if row.seed is not None else secrets.randbits(63))
-            self.generators.append(generator)
+        self.top_p = torch.tensor(
+            [[row.top_p] for row in settings], dtype=torch.float32, device=device
+        )
+        self.keys = torch.tensor([[key] for key in keys], dtype=torch.long, device=device)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> Any:
-        if not self.rows:
+        """`generate`'s hook: a sampled row's scores become -inf but at its drawn token, so
+        `generate`'s argmax takes the draw; a greedy row's stay as they are."""
+        if not self.sampled:
             return scores
-        logits = scores[self.index] / self.temperatures
-        if self.nucleus:
-            # Keep the smallest set of most likely tokens whose mass reaches top-p (at least
-            # the most likely one).
-            ordered, order = logits.sort(dim=-1, descending=True)
-            probs = ordered.softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            # Rows at top-p 1 keep every token (a cumulative sum can round above 1).
-            cut = (mass_before > self.top_p) & (self.top_p < 1)
-            ordered = ordered.masked_fill(cut, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
-        noise = torch.stack(
-            [
-                torch.empty(logits.shape[-1], device=logits.device).exponential_(generator=g)
-                for g in self.generators
-            ]
+        step = torch.tensor([input_ids.shape[1] - self.prompt_length], device=scores.device)
+        tokens = chosen_tokens(
+            scores.float(), self.greedy, self.temperature, self.top_p, self.keys, step
         )
-        drawn = scores.clone()
-        drawn[self.index] = logits - noise.log()
-        return drawn
+        drawn = torch.full_like(scores, float("-inf")).scatter(-1, tokens[:, None], 0.0)
+        return torch.where(self.greedy[:, None], scores, drawn)
 
 
 class RowEnds(StoppingCriteria):
@@ -106,14 +97,29 @@ class RowEnds(StoppingCriteria):
 
     def observe(self, input_ids: torch.Tensor) -> bool:
         """Notes the rows that end with the newest token of `input_ids` (the padded prompts and
-        the new tokens so far); whether every row has ended."""
+        the new tokens so far); whether every row has ended. One copy to the host a step."""
         generated = input_ids.shape[1] - self.prompt_length
-        # One copy to the host a step: the last token of every row, and the newest tokens of
-        # the rows that look for stop strings (a stop completed by this step's token spans
-        # at most its length in tokens, a few more for tokens that decode to partial text).
+        # The last token of every row, and the newest tokens of the rows that look for stop
+        # strings (a stop completed by this step's token spans at most its length in tokens,
+        # a few more for tokens that decode to partial text).
         window = min(generated, self.stop_window)
         recent = input_ids[:, input_ids.shape[1] - window :].tolist() if window else None
         last = [tokens[-1] for tokens in recent] if recent else input_ids[:, -1].tolist()
+        return self._note(generated, last, recent)
+
+    def observe_steps(self, new_tokens: list[list[int]], first: int) -> bool:
+        """`observe` for each step from the `first`-th new token (1-based) to the last of
+        `new_tokens` (each row's new tokens so far, on the host), in order: the static
+        decoder reads several steps at once. Whether every row has ended; it stops there."""
+        for generated in range(first, len(new_tokens[0]) + 1):
+            window = min(generated, self.stop_window)
+            last = [tokens[generated - 1] for tokens in new_tokens]
+            recent = [tokens[generated - window : generated] for tokens in new_tokens]
+            if self._note(generated, last, recent if window else None):
+                return True
+        return False
+
+    def _note(self, generated: int, last: list[int], recent: list[list[int]] | None) -> bool:
         for row, settings in enumerate(self.settings):
             if self.ended[row] is not None:
                 continue

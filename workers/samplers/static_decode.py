@@ -1,32 +1,36 @@
 """The decode loop of the transformers sampler on a static KV cache, each step replayed as a
-CUDA graph: the GPU path.
+CUDA graph that never waits for Python: the GPU path.
 
 Why: `generate` in eager mode runs a decode step as hundreds of small kernels launched one by
-one from Python (SmolLM2-135M: 30 layers of a dozen kernels each), a few microseconds of
-arithmetic each. On a GPU the step then costs the launches, not the arithmetic, at any batch
-size. A CUDA graph launches the whole step at once, but it needs every tensor the step touches
-at a fixed address and of a fixed shape, and no host synchronisation inside the step.
+one from Python, and reads every step's tokens back to the host. On a GPU the step then costs
+the launches and the round trip, not the arithmetic, at any batch size. A CUDA graph launches
+the whole step at once, but it needs every tensor the step touches at a fixed address and of
+a fixed shape, and no host synchronisation inside the step.
 
 How:
 - Batch-size buckets (`GRAPH_BATCH_SIZES`): a call of n rows runs in the smallest bucket of at
-  least n rows. The rows past n are filler (one pad token that attends to itself), and their
-  outputs are dropped. Rows never mix in a transformer, so filler cannot change a real row.
-- Each bucket has a transformers `StaticCache` of `capacity` positions (the prompt bound plus
-  the queue's max new tokens) and static buffers: the step's input token and position per row,
-  and the 4D attention mask over the cache. The mask is built here, not by transformers: a 4D
-  mask passes through transformers' mask code untouched, so the step holds no data-dependent
-  Python and can be captured.
-- A call: the left-padded prompts are prefilled eagerly (one forward, of the call's own
-  length). Then, per step: the logits become tokens (`RowSampling`, then argmax, as `generate`
-  does), `RowEnds` checks the rows' ends (one copy to the host), and the token, its position
-  and one more mask column are written into the buffers before the step is replayed. A row's
-  tokens are therefore chosen exactly as in `generate`, from the same per-row settings.
-- Capture: at start, for each bucket from the largest down, one prefill (which allocates the
-  cache), two eager steps on a side stream (cuBLAS and the allocator settle), then the
-  capture, then one replay checked against the same step run eagerly. The graphs share one
-  memory pool: they never run at the same time, and each keeps its own output alive.
-- Only for models whose layers all attend to the whole context, with SDPA (the mask is a
-  boolean one for it): anything else raises at construction, and the sampler stays eager.
+  least n rows. The rows past n are filler (one pad token that attends to itself, ended at
+  once), and their outputs are dropped. Rows never mix in a transformer.
+- Each bucket has a transformers `StaticCache` of `capacity` positions and static buffers: each
+  row's input token, position, settings, new tokens and whether it ended, and the 4D mask.
+- A step is one function of those buffers (`_forward_and_choose`): the forward, then each
+  row's token chosen on the device (argmax, or a draw from its seed and the step:
+  workers.samplers.draws), recorded, and the ends of sequence and max tokens noted. It is
+  captured whole, so a replay is a whole step.
+- Attention over what the call holds (workers.samplers.attention): grouped-query attention
+  without copied KV heads, over the narrowest width of `DECODE_WIDTHS` (or the capacity) that
+  holds the call's prompt and new tokens. Each bucket has a graph per width, greedy and
+  sampled; the prefill attends over the prompt alone.
+- The host reads the new tokens in chunks that double from 1 to `CHUNK_STEPS` steps, copied
+  while the next chunk runs (`_decode`). Stop strings, streams and the finish reasons are
+  decided there, step by step as before (`RowEnds.observe_steps`), so streamed text and whole
+  answers do not change. A call of 32 steps reads from the device 7 times.
+- Capture: at start, for each bucket from the largest down, and each width and kind, one
+  prefill, an eager step on a side stream (cuBLAS and the allocator settle), then the capture
+  and a replay checked against the same step run eagerly. The graphs share one memory pool:
+  they never run at the same time, and each keeps its own output alive.
+- Only for models whose layers all attend to the whole context, with SDPA: anything else
+  raises at construction, and the sampler stays eager.
 - Without `graphs` the same steps run eagerly: the static-cache path on a CPU, and the
   reference the graphs are compared with.
 
@@ -38,36 +42,47 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from workers.samplers.attention import grouped_attention_on
 from workers.samplers.base import MAX_BATCH
-from workers.samplers.rows import RowEnds
+from workers.samplers.draws import chosen_tokens
+from workers.samplers.rows import RowEnds, RowSampling
 
 log = logging.getLogger(__name__)
 
 # The batch sizes a graph is captured for: a call pads its rows to the next one. Each bucket
 # has its own cache, so their sum (221 rows) sets the cache's memory.
 GRAPH_BATCH_SIZES: tuple[int, ...] = (1, 8, 16, 32, 64, MAX_BATCH)
+# The cache widths a step attends over, with the capacity itself: a call takes the narrowest
+# that holds its prompt and new tokens.
+DECODE_WIDTHS: tuple[int, ...] = (64, 128, 256)
 # The longest prompt, in tokens, a call on the static path takes (a longer one runs the call
 # through eager `generate`): SAMPLING_CUDA_GRAPH_PROMPT_TOKENS's default.
 DEFAULT_PROMPT_TOKENS = 512
+# The most steps replayed between two reads of the new tokens (the chunks grow 1, 2, 4...).
+CHUNK_STEPS = 8
 # Eager steps run before a capture, on a side stream, as PyTorch's CUDA graph notes advise.
 WARM_UP_STEPS = 2
 # A capture's one-token prefill and its warm-up steps, and the check's two-token prefill and
 # step, must fit the cache.
 MIN_CAPACITY = 1 + WARM_UP_STEPS + 1
 
-# Picks the tokens of one step: (the rows' tokens so far, their float32 logits) -> scores.
-ScoreProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 def bucket_for(rows: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket that holds `rows` rows, or None when none does."""
+    """The smallest bucket that holds `rows` rows (or positions), or None when none does."""
     return min((size for size in buckets if size >= rows), default=None)
+
+
+def decode_widths(capacity: int) -> list[int]:
+    """The widths a cache of `capacity` positions is attended over: DECODE_WIDTHS below it,
+    and the capacity."""
+    return sorted({width for width in DECODE_WIDTHS if width < capacity} | {capacity})
 
 
 def left_padded(
@@ -90,16 +105,14 @@ def left_padded(
     return ids, valid
 
 
-def prefill_mask(valid: torch.Tensor, capacity: int) -> torch.Tensor:
-    """The prefill's 4D boolean attention mask over the whole cache, [rows, 1, length,
-    capacity]: a real token attends to the real tokens at or before it; a pad position to
-    itself alone (its output is never read, but it must not be NaN: it fills the cache)."""
-    rows, length = valid.shape
+def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
+    """The prefill's 4D boolean attention mask over the prompt's own positions, [rows, 1,
+    length, length]: a real token attends to the real tokens at or before it; a pad position
+    to itself alone (its output is never read, but it must not be NaN: it fills the cache)."""
+    length = valid.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
     itself = torch.eye(length, dtype=torch.bool, device=valid.device)
-    mask = torch.zeros(rows, 1, length, capacity, dtype=torch.bool, device=valid.device)
-    mask[:, 0, :, :length] = (causal & valid[:, None, :]) | itself
-    return mask
+    return ((causal & valid[:, None, :]) | itself)[:, None]
 
 
 def prompt_positions(valid: torch.Tensor) -> torch.Tensor:
@@ -118,18 +131,55 @@ def cache_counters(cache: Any) -> list[torch.Tensor]:
     return []
 
 
+def chunk_sizes(first: int = 1) -> Any:
+    """1, 2, 4... up to CHUNK_STEPS, then CHUNK_STEPS for ever."""
+    size = first
+    while True:
+        yield size
+        size = min(size * 2, CHUNK_STEPS)
+
+
 @dataclass
 class Bucket:
-    """One batch size's cache, input buffers and (once captured) graph."""
+    """One batch size's cache, its step's buffers and (once captured) graphs."""
 
     rows: int
     cache: Any
-    token: torch.Tensor  # [rows, 1]: the step's input token
-    position: torch.Tensor  # [rows, 1]: its position in its row
-    mask: torch.Tensor  # [rows, 1, 1, capacity]: which cache positions the step attends to
+    capacity: int
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        rows, device, long = self.rows, self.device, torch.long
+        self.token = torch.zeros((rows, 1), dtype=long, device=device)  # the step's input
+        self.position = torch.zeros((rows, 1), dtype=long, device=device)
+        # Which cache positions a step attends to; one spare column for the last step's.
+        self.mask = torch.zeros((rows, 1, 1, self.capacity + 1), dtype=torch.bool, device=device)
+        self.step = torch.zeros(1, dtype=long, device=device)  # new tokens so far
+        self.column = torch.zeros(1, dtype=long, device=device)  # the next input's cache slot
+        self.new_tokens = torch.zeros((rows, self.capacity), dtype=long, device=device)
+        self.ended = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.limits = torch.ones(rows, dtype=long, device=device)  # each row's max tokens
+        self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
+        self.temperature = torch.ones((rows, 1), dtype=torch.float32, device=device)
+        self.top_p = torch.ones((rows, 1), dtype=torch.float32, device=device)
+        self.keys = torch.zeros((rows, 1), dtype=long, device=device)
+
     counters: list[torch.Tensor] = field(default_factory=list)
-    graph: Any = None
-    logits: torch.Tensor | None = None  # the graph's output: [rows, vocabulary], float32
+    # (width, sampled) -> (the graph, its logits output: [rows, vocabulary], float32)
+    graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor]] = field(default_factory=dict)
+
+    def load(self, sampling: RowSampling, limits: list[int]) -> None:
+        """The call's rows' settings; filler rows greedy, ended after one token."""
+        count = len(limits)
+        for buffer, value, rows in (
+            (self.greedy, True, sampling.greedy),
+            (self.temperature, 1.0, sampling.temperature),
+            (self.top_p, 1.0, sampling.top_p),
+            (self.keys, 0, sampling.keys),
+            (self.limits, 1, torch.tensor(limits, device=self.device)),
+        ):
+            buffer.fill_(value)
+            buffer[:count] = rows
 
 
 class StaticDecoder:
@@ -143,6 +193,7 @@ class StaticDecoder:
         capacity: int,
         buckets: Sequence[int] = GRAPH_BATCH_SIZES,
         graphs: bool = False,
+        eos_ids: frozenset[int] = frozenset(),
     ) -> None:
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
@@ -162,25 +213,23 @@ class StaticDecoder:
         self.model = model
         self.pad_token_id = pad_token_id
         self.capacity = capacity
+        self.widths = decode_widths(capacity)
         self.device = next(model.parameters()).device
         self.graphs = graphs
+        self.host_reads = 0  # copies of new tokens to the host: a test counts them per call
         started = time.perf_counter()
         self.buckets: dict[int, Bucket] = {}
         # Every tensor here is made and used under inference mode (an inference tensor may
         # not be changed in place outside it).
         with torch.inference_mode():
+            # No end of sequence at all: a token id no vocabulary has.
+            self.eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=self.device)
             for rows in sorted(set(buckets), reverse=True):
                 cache = StaticCache(config=model.config, max_cache_len=capacity)
                 kinds = {type(layer).__name__ for layer in cache.layers}
                 if any(type(layer) is not StaticLayer for layer in cache.layers):
                     raise ValueError(f"the static path needs full-attention layers, not {kinds}")
-                self.buckets[rows] = Bucket(
-                    rows=rows,
-                    cache=cache,
-                    token=torch.full((rows, 1), pad_token_id, dtype=torch.long, device=self.device),
-                    position=torch.zeros((rows, 1), dtype=torch.long, device=self.device),
-                    mask=torch.zeros((rows, 1, 1, capacity), dtype=torch.bool, device=self.device),
-                )
+                self.buckets[rows] = Bucket(rows, cache, capacity, self.device)
             if graphs:
                 self._capture_all()
         self.ready_s = time.perf_counter() - started
@@ -203,12 +252,12 @@ class StaticDecoder:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        processor: ScoreProcessor,
+        sampling: RowSampling,
         ends: RowEnds,
         max_new_tokens: int,
     ) -> list[list[int]]:
         """Each prompt's new tokens: up to `max_new_tokens`, fewer once every row has ended
-        (`ends` then says where each row ended)."""
+        (`ends` then says where each row ended; the tokens past a row's end are filler)."""
         rows = len(prompts)
         length = max(len(prompt) for prompt in prompts)
         size = bucket_for(rows, list(self.buckets))
@@ -218,34 +267,68 @@ class StaticDecoder:
                 f"not fit buckets of {self.max_rows} rows and {self.capacity} positions"
             )
         bucket = self.buckets[size]
-        logits, prompt_ids = self._prefill(bucket, prompts)
-        sequences = torch.empty(
-            (rows, length + max_new_tokens), dtype=torch.long, device=self.device
-        )
-        sequences[:, :length] = prompt_ids[:rows]
-        generated = 0
+        width = bucket_for(length + max_new_tokens - 1, self.widths)
+        assert width is not None  # the capacity holds every call that fits
+        bucket.load(sampling, [settings.max_tokens for settings in ends.settings])
+        with grouped_attention_on(self.model):
+            logits = self._prefill(bucket, prompts)
+            self._choose(bucket, logits, sampling.sampled)
+            return self._decode(bucket, rows, width, sampling.sampled, ends, max_new_tokens)
+
+    def _decode(
+        self,
+        bucket: Bucket,
+        rows: int,
+        width: int,
+        sampled: bool,
+        ends: RowEnds,
+        max_new_tokens: int,
+    ) -> list[list[int]]:
+        """Replays steps in growing chunks; while one chunk runs, the host reads the one
+        before and notes the rows' ends. Stops once every row has ended (the chunk then
+        running is wasted) or at `max_new_tokens`."""
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        pending: deque[tuple[int, Any]] = deque()
+        launched, copied, sizes = 1, 0, chunk_sizes()
         while True:
-            scores = processor(sequences[:, : length + generated], logits[:rows])
-            tokens = scores.argmax(dim=-1)
-            sequences[:, length + generated] = tokens
-            generated += 1
-            if ends.observe(sequences[:, : length + generated]) or generated == max_new_tokens:
-                break
-            # The next step's input: the token just chosen, one position on, and the slot
-            # it is written to (length + generated - 1) opened in the mask.
-            bucket.token[:rows, 0] = tokens
-            bucket.position.add_(1)
-            bucket.mask[:, 0, 0, length + generated - 1] = True
-            logits = self._step(bucket)
-        return sequences[:, length : length + generated].tolist()
+            if copied < launched:
+                pending.append((copied, self._copy(bucket.new_tokens[:rows, copied:launched])))
+                copied = launched
+            if launched < max_new_tokens:
+                count = min(next(sizes), max_new_tokens - launched)
+                for _ in range(count):
+                    self._step(bucket, width, sampled)
+                launched += count
+            first, handle = pending.popleft()
+            for row, new in zip(tokens, self._read(handle), strict=True):
+                row.extend(new)
+            if ends.observe_steps(tokens, first + 1) or len(tokens[0]) == max_new_tokens:
+                return tokens
 
-    # --- the forward passes ---------------------------------------------------------------
+    def _copy(self, tokens: torch.Tensor) -> Any:
+        """Starts copying `tokens` to the host; `_read` waits for it."""
+        if self.device.type != "cuda":
+            return tokens.clone()
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
 
-    def _prefill(
-        self, bucket: Bucket, prompts: Sequence[Sequence[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, handle: Any) -> list[list[int]]:
+        """The copied tokens, once there: the call's only waits for the device."""
+        self.host_reads += 1
+        if isinstance(handle, torch.Tensor):
+            return handle.tolist()
+        host, done = handle
+        done.synchronize()
+        return host.tolist()
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def _prefill(self, bucket: Bucket, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Rewinds the bucket's cache, runs the prompts through it and sets the buffers for the
-        first step; returns the logits of each row's last prompt token and the padded ids."""
+        first step; returns the logits of each row's last prompt token."""
         ids, valid = left_padded(prompts, bucket.rows, self.pad_token_id)
         prompt_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         real = torch.tensor(valid, dtype=torch.bool, device=self.device)
@@ -256,7 +339,7 @@ class StaticDecoder:
             bucket.cache.reset()
         output = self.model(
             input_ids=prompt_ids,
-            attention_mask=prefill_mask(real, self.capacity),
+            attention_mask=prefill_mask(real),
             position_ids=positions,
             past_key_values=bucket.cache,
             use_cache=True,
@@ -269,13 +352,35 @@ class StaticDecoder:
         bucket.mask[:, 0, 0, :length] = real
         # The last column is real in every row (left padding): the next position follows it.
         bucket.position.copy_(positions[:, -1:])
-        return output.logits[:, -1, :].float(), prompt_ids
+        bucket.step.zero_()
+        bucket.column.fill_(length)
+        bucket.ended.zero_()
+        return output.logits[:, -1, :].float()
 
-    def _forward_step(self, bucket: Bucket) -> torch.Tensor:
-        """One decode step from the buffers: what a graph captures."""
+    def _choose(self, bucket: Bucket, logits: torch.Tensor, sampled: bool) -> None:
+        """Each row's next token from `logits`, on the device: recorded, fed to the next step,
+        and the rows at their end of sequence or max tokens noted (an ended row's later
+        tokens are pad tokens)."""
+        if sampled:
+            tokens = chosen_tokens(
+                logits, bucket.greedy, bucket.temperature, bucket.top_p, bucket.keys, bucket.step
+            )
+        else:
+            tokens = logits.argmax(dim=-1)
+        tokens = tokens.masked_fill(bucket.ended, self.pad_token_id)
+        bucket.new_tokens.index_copy_(1, bucket.step, tokens[:, None])
+        bucket.step.add_(1)
+        at_end = (tokens[:, None] == self.eos).any(dim=-1) | (bucket.step >= bucket.limits)
+        bucket.ended.logical_or_(at_end)
+        bucket.token.copy_(tokens[:, None])
+        bucket.position.add_(1)
+        bucket.mask.index_fill_(3, bucket.column, True)
+        bucket.column.add_(1)
+
+    def _forward(self, bucket: Bucket, width: int) -> torch.Tensor:
         output = self.model(
             input_ids=bucket.token,
-            attention_mask=bucket.mask,
+            attention_mask=bucket.mask[..., :width],
             position_ids=bucket.position,
             past_key_values=bucket.cache,
             use_cache=True,
@@ -283,54 +388,74 @@ class StaticDecoder:
         )
         return output.logits[:, -1, :].float()
 
-    def _step(self, bucket: Bucket) -> torch.Tensor:
-        if bucket.graph is None:
-            return self._forward_step(bucket)
-        bucket.graph.replay()
-        assert bucket.logits is not None
-        return bucket.logits
+    def _forward_and_choose(self, bucket: Bucket, width: int, sampled: bool) -> torch.Tensor:
+        """One decode step from the buffers: what a graph captures."""
+        logits = self._forward(bucket, width)
+        self._choose(bucket, logits, sampled)
+        return logits
+
+    def _step(self, bucket: Bucket, width: int, sampled: bool) -> torch.Tensor:
+        captured = bucket.graphs.get((width, sampled))
+        if captured is None:
+            return self._forward_and_choose(bucket, width, sampled)
+        graph, logits = captured
+        graph.replay()
+        return logits
 
     # --- capture ---------------------------------------------------------------------------
 
     def _capture_all(self) -> None:
         if self.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, not {self.device}")
-        with torch.cuda.device(self.device):  # the capture stream is the current device's
-            pool = torch.cuda.graph_pool_handle()
-            for rows in sorted(self.buckets, reverse=True):  # the largest first, one pool
-                self._capture(self.buckets[rows], pool)
-                self._check_replay(self.buckets[rows])
+        with torch.cuda.device(self.device), grouped_attention_on(self.model):
+            pool = torch.cuda.graph_pool_handle()  # the capture stream is the current device's
+            for sampled in (False, True):
+                try:
+                    for rows in sorted(self.buckets, reverse=True):  # the largest first
+                        for width in reversed(self.widths):
+                            self._capture(self.buckets[rows], width, sampled, pool)
+                            self._check_replay(self.buckets[rows], width, sampled)
+                except RuntimeError as exc:
+                    if not sampled:
+                        raise
+                    # Greedy calls keep their graphs; a sampled call's steps run eagerly.
+                    for bucket in self.buckets.values():
+                        bucket.graphs = {
+                            kind: g for kind, g in bucket.graphs.items() if not kind[1]
+                        }
+                    log.warning("the sampled steps' CUDA graphs failed (%s): they run eagerly", exc)
             torch.cuda.synchronize(self.device)
 
-    def _capture(self, bucket: Bucket, pool: Any) -> None:
+    def _capture(self, bucket: Bucket, width: int, sampled: bool, pool: Any) -> None:
         # A one-token prompt per row allocates the cache and sets the buffers.
         self._prefill(bucket, [[self.pad_token_id]] * bucket.rows)
+        bucket.greedy.fill_(not sampled)
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(WARM_UP_STEPS):
-                self._forward_step(bucket)
+                self._forward_and_choose(bucket, width, sampled)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the worker's other threads may touch CUDA meanwhile.
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            logits = self._forward_step(bucket)
-        bucket.graph, bucket.logits = graph, logits
+            logits = self._forward_and_choose(bucket, width, sampled)
+        bucket.graphs[(width, sampled)] = (graph, logits)
 
-    def _check_replay(self, bucket: Bucket) -> None:
+    def _check_replay(self, bucket: Bucket, width: int, sampled: bool) -> None:
         """One step replayed against the same step run eagerly, from the same prefill: a
         capture that recorded something else (a tensor it did not own, a value baked in)
         raises here, and the sampler falls back to eager `generate`. Not bit for bit: the
         kernels a capture records may use another cuBLAS workspace."""
         prompts = [[self.pad_token_id, self.pad_token_id]] * bucket.rows
         self._prefill(bucket, prompts)
-        bucket.position.add_(1)
-        bucket.mask[:, 0, 0, 2] = True
-        stepped = self._forward_step(bucket).clone()
+        self._choose(bucket, self._forward(bucket, width), sampled)  # a first step, eagerly
+        stepped = self._forward_and_choose(bucket, width, sampled).clone()
         self._prefill(bucket, prompts)
-        bucket.position.add_(1)
-        bucket.mask[:, 0, 0, 2] = True
-        replayed = self._step(bucket)
+        self._choose(bucket, self._forward(bucket, width), sampled)
+        replayed = self._step(bucket, width, sampled)
         if not torch.allclose(replayed, stepped, rtol=0.02, atol=0.25):
             error = (replayed - stepped).abs().max().item()
-            raise RuntimeError(f"a replay of the {bucket.rows}-row graph is off by {error:g}")
+            raise RuntimeError(
+                f"a replay of the {bucket.rows}-row, {width}-wide graph is off by {error:g}"
+            )
