@@ -73,7 +73,7 @@ bench-openai: $(STAMP) $(SECRET)
 # benchmark, eager against the graphs (bench/gpu-report.sh; results in gpu-report/).
 # DRY=1: on any machine, check that everything it needs is in place (and what to carry).
 gpu-report: $(STAMP) $(SECRET)
-	PYTHON=$(PY) DRY=$(DRY) bash bench/gpu-report.sh
+	PYTHON=$(PY) DRY=$(DRY) QUICK=$(QUICK) bash bench/gpu-report.sh
 
 # docker-compose.yml from deploy/compose.py (standard library only: no virtual environment),
 # through a temporary file so a bad GPUS leaves the old one in place.

@@ -22,10 +22,23 @@
 # two new tokens, on the CPU; the 1.7B architecture is only checked to be known, its random
 # weights taking 7 GB; two streams of two tokens through the stack on the CPU). It also writes carry.txt: what to carry to a GPU machine that reaches
 # no package registry, and the commands to fetch it.
+#
+# QUICK=1 (`make gpu-report QUICK=1`): about 8 minutes on an H100, for a short device loan.
+# The CUDA graph tests, then the packaged 135M model at 1 and 100 rows with 16 and 32 new
+# tokens: on the tree before the device-side decode loop (BEFORE_TREE, made by the dry run
+# from BEFORE_COMMIT with git; carry it), on this tree, then this tree's other parts
+# (transformers' continuous batching beside our graphs, a 100-row mixed batch, a profile of a
+# 100-row step). Into quick-*.md.
 set -u
 PYTHON=${PYTHON:-python3}
 DIR=${GPU_REPORT_DIR:-gpu-report}
 DRY=${DRY:-}
+QUICK=${QUICK:-}
+BEFORE_COMMIT=${BEFORE_COMMIT:-1db86ae}  # main before the decode loop moved to the device
+BEFORE_TREE=${BEFORE_TREE:-.before-tree}
+QUICK_ARGS="--device cuda --graphs on --sizes 1,100 --max-new-tokens 16,32 --prompt-tokens 20-200 --repeats 5"
+# The before tree is run from its own folder: the interpreter's path must not be relative.
+case $PYTHON in */*) PYTHON=$(realpath -s "$PYTHON") ;; esac
 mkdir -p "$DIR"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1 PYTHONUNBUFFERED=1
 ARCHS="smollm2-360m smollm2-1.7b"
@@ -86,7 +99,17 @@ PY
     wait $arch || status=1
     "$PYTHON" -m bench backfill --sampler hf --rounds 1 --seconds 2 --loads 1 --job-lines 20 \
         > "$DIR/dry-backfill.md" 2>&1 || status=1
-    for name in sampler sampler-arch streaming backfill; do echo "== bench $name:"; tail -n 4 "$DIR/dry-$name.md"; done
+    # QUICK=1's parts: the tree before this change (made here from git) and the other parts.
+    if [ ! -d "$BEFORE_TREE" ]; then
+        mkdir -p "$BEFORE_TREE" && git archive "$BEFORE_COMMIT" bench workers batching \
+            | tar -x -C "$BEFORE_TREE" || status=1
+    fi
+    # shellcheck disable=SC2086
+    (cd "$BEFORE_TREE" && "$PYTHON" -m bench sampler $tiny) > "$DIR/dry-before.md" 2>&1 || status=1
+    # shellcheck disable=SC2086
+    "$PYTHON" -m bench sampler $tiny --parts continuous,mixed,profile > "$DIR/dry-parts.md" 2>&1 || status=1
+    echo "== before tree: $BEFORE_TREE ($(du -sh "$BEFORE_TREE" | cut -f1), from $BEFORE_COMMIT): carry it for QUICK=1"
+    for name in sampler sampler-arch streaming backfill before parts; do echo "== bench $name:"; tail -n 4 "$DIR/dry-$name.md"; done
     echo "== dry run: $([ $status = 0 ] && echo ready || echo 'NOT ready')"
     exit $status
 fi
@@ -103,6 +126,24 @@ print(f"host: {platform.platform()}")
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >> "$DIR/machine.txt" 2>&1
 cat "$DIR/machine.txt"
+
+if [ -n "$QUICK" ]; then
+    status=0
+    [ -d "$BEFORE_TREE" ] || { echo "gpu-report: no $BEFORE_TREE (make gpu-report DRY=1 makes it)"; exit 2; }
+    # shellcheck disable=SC2086
+    timeout 240 "$PYTHON" -m pytest -p no:cacheprovider -q --durations=5 --junitxml="$DIR/gpu.xml" \
+        $TESTS_GPU > "$DIR/gpu.log" 2>&1 || status=1
+    echo "== gpu: $(tail -n 1 "$DIR/gpu.log")"
+    # shellcheck disable=SC2086
+    (cd "$BEFORE_TREE" && "$PYTHON" -m bench sampler $QUICK_ARGS) > "$DIR/quick-before.md" 2>&1 || status=1
+    # shellcheck disable=SC2086
+    "$PYTHON" -m bench sampler $QUICK_ARGS > "$DIR/quick-after.md" 2>&1 || status=1
+    # shellcheck disable=SC2086
+    "$PYTHON" -m bench sampler $QUICK_ARGS --parts continuous,mixed,profile \
+        > "$DIR/quick-parts.md" 2>&1 || status=1
+    for name in before after parts; do echo "== quick $name:"; cat "$DIR/quick-$name.md"; done
+    exit $status
+fi
 
 pytest_run() {  # name, then pytest's arguments
     local name=$1

@@ -34,6 +34,7 @@ from bench.sampler.models import (
     prompts_of_tokens,
     time_calls,
 )
+from bench.sampler.parts import PARTS, continuous_table, mixed_table, profile_step
 from workers.samplers.base import GenerationSettings
 from workers.samplers.hf import HFSampler
 
@@ -58,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prompt-tokens", default="", help="MIN-MAX: prompts spread over this many tokens"
+    )
+    parser.add_argument(
+        "--parts",
+        default="",
+        help=f"instead of eager against graphs, one or more of {','.join(PARTS)}: transformers' "
+        "continuous batching beside ours, a mixed batch, a profile of the largest size's step",
     )
 
 
@@ -157,7 +164,17 @@ def main(args: argparse.Namespace) -> None:
         prompts = prompts_for(max(sizes))
     lengths = [len(ids) for ids in sampler.tokenizer(prompts)["input_ids"]]
     print(f"prompts of {min(lengths)} to {max(lengths)} tokens")
+    parts = [part for part in args.parts.split(",") if part]
+    if unknown := set(parts) - set(PARTS):
+        raise SystemExit(f"unknown parts {sorted(unknown)}: choose from {', '.join(PARTS)}")
     for new_tokens in new_token_counts:
         sampler.configure(GenerationSettings(max_new_tokens=new_tokens))
         print(f"\n{new_tokens} new tokens\n")
-        print(size_table(sampler, prompts, sizes, modes, fast, args.repeats))
+        if not parts:
+            print(size_table(sampler, prompts, sizes, modes, fast, args.repeats))
+        if "continuous" in parts:
+            print(continuous_table(sampler, prompts, sizes, new_tokens, args.repeats), "\n")
+        if "mixed" in parts:
+            print(mixed_table(sampler, prompts, sizes, new_tokens, args.repeats), "\n")
+        if "profile" in parts:
+            print(profile_step(sampler, prompts, max(sizes), new_tokens), "\n")

@@ -57,6 +57,14 @@ def test_the_dry_run_checks_everything_the_report_needs(tmp_path: Path) -> None:
     for table in ("dry-sampler.md", "dry-sampler-arch.md"):
         lines = (tmp_path / table).read_text().splitlines()
         assert any(line.startswith("| 1 |") for line in lines), lines
+    # QUICK=1's parts: the tree before the device-side loop, and ours beside transformers'
+    # continuous batching, a mixed batch, a step's profile.
+    before = (tmp_path / "dry-before.md").read_text().splitlines()
+    assert any(line.startswith("| 1 |") for line in before), before
+    parts = (tmp_path / "dry-parts.md").read_text()
+    for heading in ("continuous batching: call", "mixed: call", "one 1-row step"):
+        assert heading in parts, parts
+    assert "before tree: " in done.stdout
     for log in ("collect-gpu.log", "collect-integration.log"):
         collected = re.search(r"(\d+) tests? collected", (tmp_path / log).read_text())
         assert collected is not None
