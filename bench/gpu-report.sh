@@ -101,7 +101,7 @@ PY
         > "$DIR/dry-backfill.md" 2>&1 || status=1
     # QUICK=1's parts: the tree before this change (made here from git) and the other parts.
     if [ ! -d "$BEFORE_TREE" ]; then
-        mkdir -p "$BEFORE_TREE" && git archive "$BEFORE_COMMIT" bench workers batching \
+        mkdir -p "$BEFORE_TREE" && git archive "$BEFORE_COMMIT" bench workers batching inference_site \
             | tar -x -C "$BEFORE_TREE" || status=1
     fi
     # shellcheck disable=SC2086
