@@ -105,23 +105,29 @@ def test_a_long_prompt_attends_over_a_wider_cache_and_writes_the_same(wide: HFSa
         assert [wide.batched_sample([prompt])[0] for prompt in prompts] == alone_expected
 
 
-def seeded(prompt: str, seed: int) -> Row:
-    return Row(prompt, RowSettings(max_tokens=NEW_TOKENS, temperature=1.0, top_p=0.95, seed=seed))
+def seeded(prompt: str, seed: int, temperature: float = 1.0) -> Row:
+    return Row(
+        prompt, RowSettings(max_tokens=NEW_TOKENS, temperature=temperature, top_p=0.95, seed=seed)
+    )
 
 
-def test_a_seeded_row_draws_the_same_whatever_shares_its_call(wide: HFSampler) -> None:
-    row = seeded(PROMPTS[1], 42)
-    mates = [seeded(PROMPTS[i % 6], 100 + i) for i in range(20)]
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 2.0])
+def test_seeded_rows_draw_the_same_whatever_shares_their_call(
+    wide: HFSampler, temperature: float
+) -> None:
+    rows = [seeded(f"{PROMPTS[i % 6]} {i}", 100 + i, temperature) for i in range(8)]
     greedy = [Row(PROMPTS[i % 6], RowSettings(max_tokens=5 + i)) for i in range(12)]
+    eager_alone = [wide.batched_complete([row])[0] for row in rows]
+    eager_batched = wide.batched_complete(rows)
     with static_path(wide):
-        alone = wide.batched_complete([row])
-        again = wide.batched_complete([row])
-        among_sampled = wide.batched_complete([*mates[:7], row, *mates[7:]])[7]
-        among_greedy = wide.batched_complete([*greedy, row])[-1]
-        other_seed = wide.batched_complete([seeded(PROMPTS[1], 43)])
-    eager = wide.batched_complete([*mates[:3], row])[-1]
-    assert alone == again == [among_sampled] == [among_greedy] == [eager]
-    assert other_seed != alone
+        alone = [wide.batched_complete([row])[0] for row in rows]
+        batched = wide.batched_complete(rows)
+        shuffled = wide.batched_complete([*greedy[:5], *reversed(rows), *greedy[5:]])[5:13]
+        other_seeds = wide.batched_complete(
+            [seeded(f"{PROMPTS[i % 6]} {i}", 200 + i, temperature) for i in range(8)]
+        )
+    assert alone == batched == list(reversed(shuffled)) == eager_alone == eager_batched
+    assert other_seeds != batched
 
 
 def counting_host_reads(calls: dict[str, int]) -> Iterator[None]:

@@ -88,7 +88,7 @@ class HFSampler(Sampler):
         # A real GPU's curve (SAMPLING_COST_PROFILE names this GPU's own): calls grow with
         # their rows and steps, and fall off the graphs past their positions.
         self.cost_profile = load_profile(DEFAULT_COST_PROFILE, 0.0)
-        self.last_steps = 0  # the decode steps the last call ran
+        self.last_steps = 0  # the decode steps the last call needed (its rows' ends)
         self.source = ModelSource(model) if preloaded else resolve_model(model)
         self.device = choose_device(device)
         self.dtype = choose_dtype(self.device, dtype)

@@ -5,9 +5,9 @@ stop strings. Hugging Face's `generate` applies one setting to the whole batch, 
 runs greedy (argmax) and these two hooks make it row by row:
 
 - `RowSampling` holds each row's temperature, top-p and seed as tensors. A greedy row stays
-  exactly greedy (the argmax); a sampled row draws where a uniform number, hashed from its seed
-  and the step, falls in its probabilities (workers.samplers.draws). So a seeded row gets the
-  same tokens whatever else shares its batch, on either path.
+  exactly greedy (the argmax); a sampled row draws by Gumbel-max with noise hashed from its
+  seed, the step and the token (workers.samplers.draws). So a seeded row gets the same
+  tokens whatever else shares its batch, on either path.
 - `RowEnds` (a stopping criterion) ends each row at its own max tokens, at an end-of-sequence
   token, or once its text contains one of its stop strings, and remembers which and when:
   the sampler keeps only the row's tokens up to its end. With `RowStreams` it also sends each
