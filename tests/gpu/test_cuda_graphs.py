@@ -34,6 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from bench.sampler.models import prompts_of_tokens
 from workers.samplers.attention import grouped_attention_on
 from workers.samplers.base import Completion, GenerationSettings, Row, RowSettings
+from workers.samplers.draws import gumbel_noise, mix32, seed_key, step_keys
 from workers.samplers.hf import HFSampler
 from workers.samplers.static_decode import Bucket, StaticDecoder, bucket_for
 
@@ -209,3 +210,14 @@ def test_gpu_memory_does_not_grow_over_200_calls(
 def test_the_worker_s_warm_up_runs_on_the_graphs(sampler: HFSampler, graphs: Any) -> None:
     assert sampler.decoder is graphs
     assert 0 < sampler.warm_up() < 10_000
+
+
+def test_the_draws_hash_the_same_bits_on_the_gpu_as_on_the_cpu() -> None:
+    """Seeded rows draw the same on either device: the int32 hash wraps alike."""
+    keys = torch.tensor([[seed_key(seed)] for seed in range(8)])
+    step = torch.tensor([5])
+    tokens = torch.arange(49152, dtype=torch.int32)
+    assert torch.equal(mix32(tokens.cuda()).cpu(), mix32(tokens))
+    assert torch.equal(step_keys(keys.cuda(), step.cuda()).cpu(), step_keys(keys, step))
+    noise = gumbel_noise(keys.cuda(), step.cuda(), 49152).cpu()
+    assert torch.allclose(noise, gumbel_noise(keys, step, 49152), rtol=1e-5, atol=1e-5)
