@@ -100,15 +100,20 @@ PY
     "$PYTHON" -m bench backfill --sampler hf --rounds 1 --seconds 2 --loads 1 --job-lines 20 \
         > "$DIR/dry-backfill.md" 2>&1 || status=1
     # QUICK=1's parts: the tree before this change (made here from git) and the other parts.
-    if [ ! -d "$BEFORE_TREE" ]; then
+    if [ ! -d "$BEFORE_TREE" ] && git cat-file -e "$BEFORE_COMMIT^{commit}" 2>/dev/null; then
         mkdir -p "$BEFORE_TREE" && git archive "$BEFORE_COMMIT" bench workers batching inference_site \
             | tar -x -C "$BEFORE_TREE" || status=1
     fi
-    # shellcheck disable=SC2086
-    (cd "$BEFORE_TREE" && "$PYTHON" -m bench sampler $tiny) > "$DIR/dry-before.md" 2>&1 || status=1
+    if [ -d "$BEFORE_TREE" ]; then
+        # shellcheck disable=SC2086
+        (cd "$BEFORE_TREE" && "$PYTHON" -m bench sampler $tiny) > "$DIR/dry-before.md" 2>&1 || status=1
+        echo "== before tree: $BEFORE_TREE ($(du -sh "$BEFORE_TREE" | cut -f1), from $BEFORE_COMMIT): carry it for QUICK=1"
+    else  # a shallow clone: the rest of the report is ready, QUICK=1 is not
+        echo "== before tree: none, and $BEFORE_COMMIT is not in this clone: QUICK=1 needs it (git fetch --unshallow)" \
+            | tee "$DIR/dry-before.md"
+    fi
     # shellcheck disable=SC2086
     "$PYTHON" -m bench sampler $tiny --parts continuous,mixed,profile > "$DIR/dry-parts.md" 2>&1 || status=1
-    echo "== before tree: $BEFORE_TREE ($(du -sh "$BEFORE_TREE" | cut -f1), from $BEFORE_COMMIT): carry it for QUICK=1"
     for name in sampler sampler-arch streaming backfill before parts; do echo "== bench $name:"; tail -n 4 "$DIR/dry-$name.md"; done
     echo "== dry run: $([ $status = 0 ] && echo ready || echo 'NOT ready')"
     exit $status
