@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,9 +131,9 @@ def cache_counters(cache: Any) -> list[torch.Tensor]:
     return []
 
 
-def chunk_sizes(first: int = 1) -> Any:
+def chunk_sizes() -> Iterator[int]:
     """1, 2, 4... up to CHUNK_STEPS, then CHUNK_STEPS for ever."""
-    size = first
+    size = 1
     while True:
         yield size
         size = min(size * 2, CHUNK_STEPS)
