@@ -5,6 +5,8 @@
 #   bash bench/gpu-device.sh           call 2: installs the wheels and the model into
 #                                      /tmp/site, then runs `gpu-report.sh` with QUICK=1
 #                                      into $OUT (or gpu-report/)
+#   bash bench/gpu-device.sh CMD...    call 2 running CMD instead of the report, e.g.
+#                                      python3 -m bench sampler --device cuda --parts phases
 # The device's own Python, torch and transformers are used.
 set -u
 PYTHON=${PYTHON:-python3}
@@ -17,5 +19,6 @@ cat /tmp/carry/model.part-* .whl/b/model.part-* > "/tmp/$name"
 (cd /tmp && sha256sum -c - < "$OLDPWD/.whl/b/model.sha256") || exit 2
 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/b/*.whl "/tmp/$name" || exit 2
-PYTHONPATH=/tmp/site:$PWD PYTHON=$PYTHON DJANGO_SECRET_KEY=gpu-report-throwaway \
-    GPU_REPORT_DIR=${OUT:-gpu-report} QUICK=1 bash bench/gpu-report.sh
+export PYTHONPATH=/tmp/site:$PWD DJANGO_SECRET_KEY=gpu-report-throwaway HF_HUB_OFFLINE=1
+[ $# -gt 0 ] && exec "$@"
+PYTHON=$PYTHON GPU_REPORT_DIR=${OUT:-gpu-report} QUICK=1 bash bench/gpu-report.sh

@@ -23,12 +23,12 @@
 # weights taking 7 GB; two streams of two tokens through the stack on the CPU). It also writes carry.txt: what to carry to a GPU machine that reaches
 # no package registry, and the commands to fetch it.
 #
-# QUICK=1 (`make gpu-report QUICK=1`): about 8 minutes on an H100, for a short device loan.
-# The CUDA graph tests, then the packaged 135M model at 1 and 100 rows with 16 and 32 new
+# QUICK=1 (`make gpu-report QUICK=1`): about 6 minutes on an H200, for a short device loan.
+# The packaged 135M model at 1 and 100 rows with 16 and 32 new
 # tokens: on the tree before the device-side decode loop (BEFORE_TREE, made by the dry run
 # from BEFORE_COMMIT with git; carry it), on this tree, then this tree's other parts
 # (transformers' continuous batching beside our graphs, a 100-row mixed batch, a profile of a
-# 100-row step). Into quick-*.md.
+# 100-row step), then the CUDA graph tests. Into quick-*.md and gpu.log.
 set -u
 PYTHON=${PYTHON:-python3}
 DIR=${GPU_REPORT_DIR:-gpu-report}
@@ -113,7 +113,8 @@ PY
             | tee "$DIR/dry-before.md"
     fi
     # shellcheck disable=SC2086
-    "$PYTHON" -m bench sampler $tiny --parts continuous,mixed,profile > "$DIR/dry-parts.md" 2>&1 || status=1
+    "$PYTHON" -m bench sampler $tiny --parts continuous,mixed,profile,phases,fusednorm \
+        > "$DIR/dry-parts.md" 2>&1 || status=1
     for name in sampler sampler-arch streaming backfill before parts; do echo "== bench $name:"; tail -n 4 "$DIR/dry-$name.md"; done
     echo "== dry run: $([ $status = 0 ] && echo ready || echo 'NOT ready')"
     exit $status
@@ -135,18 +136,21 @@ cat "$DIR/machine.txt"
 if [ -n "$QUICK" ]; then
     status=0
     [ -d "$BEFORE_TREE" ] || { echo "gpu-report: no $BEFORE_TREE (make gpu-report DRY=1 makes it)"; exit 2; }
+    # The figures first, the tests last: a loan that runs out keeps what came before it.
+    # shellcheck disable=SC2086
+    "$PYTHON" -m bench sampler $QUICK_ARGS > "$DIR/quick-after.md" 2>&1 || status=1
+    echo "== quick after:"; cat "$DIR/quick-after.md"
+    # shellcheck disable=SC2086
+    (cd "$BEFORE_TREE" && "$PYTHON" -m bench sampler $QUICK_ARGS) > "$DIR/quick-before.md" 2>&1 || status=1
+    echo "== quick before:"; cat "$DIR/quick-before.md"
+    # shellcheck disable=SC2086
+    "$PYTHON" -m bench sampler $QUICK_ARGS --parts continuous,mixed,profile \
+        > "$DIR/quick-parts.md" 2>&1 || status=1
+    echo "== quick parts:"; cat "$DIR/quick-parts.md"
     # shellcheck disable=SC2086
     timeout 240 "$PYTHON" -m pytest -p no:cacheprovider -q --durations=5 --junitxml="$DIR/gpu.xml" \
         $TESTS_GPU > "$DIR/gpu.log" 2>&1 || status=1
     echo "== gpu: $(tail -n 1 "$DIR/gpu.log")"
-    # shellcheck disable=SC2086
-    (cd "$BEFORE_TREE" && "$PYTHON" -m bench sampler $QUICK_ARGS) > "$DIR/quick-before.md" 2>&1 || status=1
-    # shellcheck disable=SC2086
-    "$PYTHON" -m bench sampler $QUICK_ARGS > "$DIR/quick-after.md" 2>&1 || status=1
-    # shellcheck disable=SC2086
-    "$PYTHON" -m bench sampler $QUICK_ARGS --parts continuous,mixed,profile \
-        > "$DIR/quick-parts.md" 2>&1 || status=1
-    for name in before after parts; do echo "== quick $name:"; cat "$DIR/quick-$name.md"; done
     exit $status
 fi
 

@@ -34,7 +34,7 @@ from bench.sampler.models import (
     prompts_of_tokens,
     time_calls,
 )
-from bench.sampler.parts import PARTS, continuous_table, mixed_table, profile_step
+from bench.sampler.parts import PARTS, run_part
 from workers.samplers.base import GenerationSettings
 from workers.samplers.hf import HFSampler
 
@@ -172,9 +172,5 @@ def main(args: argparse.Namespace) -> None:
         print(f"\n{new_tokens} new tokens\n")
         if not parts:
             print(size_table(sampler, prompts, sizes, modes, fast, args.repeats))
-        if "continuous" in parts:
-            print(continuous_table(sampler, prompts, sizes, new_tokens, args.repeats), "\n")
-        if "mixed" in parts:
-            print(mixed_table(sampler, prompts, sizes, new_tokens, args.repeats), "\n")
-        if "profile" in parts:
-            print(profile_step(sampler, prompts, max(sizes), new_tokens), "\n")
+        for part in parts:
+            print(run_part(part, sampler, prompts, sizes, new_tokens, args.repeats), "\n")

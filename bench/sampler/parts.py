@@ -5,7 +5,6 @@ and a profile of one decode step."""
 from __future__ import annotations
 
 import inspect
-import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -13,35 +12,36 @@ from typing import Any
 
 from batching.generation import Completion, Row, RowSettings
 from bench.harness.report import markdown_table
+from bench.sampler.phases import fused_norm_table, phases_table
+from bench.sampler.timing import median_call, shown
 from workers.samplers.hf import HFSampler
 from workers.samplers.static_decode import bucket_for
 
-PARTS = ("continuous", "mixed", "profile")
+PARTS = ("continuous", "mixed", "profile", "phases", "fusednorm")
 # Steps profiled, after as many run unprofiled.
 PROFILED_STEPS = 8
 
 
-def median_call(sampler: HFSampler, call: Callable[[], Any], repeats: int) -> float:
-    """The median wall time of `call` (s), after one warm-up call, the device idle at each
-    end."""
-    import torch
+def run_part(
+    part: str, sampler: HFSampler, prompts: list[str], sizes: list[int], new_tokens: int,
+    repeats: int,
+) -> str:  # fmt: skip
+    """One part's table, or the error that stopped it: a failing part on a short device loan
+    must not cost the parts after it."""
+    import traceback
 
-    cuda = sampler.device.startswith("cuda")
-    call()
-    durations = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize(sampler.device)
-        started = time.perf_counter()
-        call()
-        if cuda:
-            torch.cuda.synchronize(sampler.device)
-        durations.append(time.perf_counter() - started)
-    return statistics.median(durations)
-
-
-def shown(seconds: float) -> str:
-    return f"{seconds * 1000:,.1f} ms"
+    try:
+        if part == "continuous":
+            return continuous_table(sampler, prompts, sizes, new_tokens, repeats)
+        if part == "mixed":
+            return mixed_table(sampler, prompts, sizes, new_tokens, repeats)
+        if part == "phases":
+            return phases_table(sampler, prompts, sizes, new_tokens, repeats)
+        if part == "fusednorm":
+            return fused_norm_table(sampler, prompts, sizes, new_tokens, repeats)
+        return profile_step(sampler, prompts, max(sizes), new_tokens)
+    except Exception:  # noqa: BLE001  # reported in the table's place, the run goes on
+        return f"part {part} failed:\n\n```\n{traceback.format_exc()}```"
 
 
 def continuous_table(
@@ -103,7 +103,7 @@ def mixed_table(
         mixed = median_call(sampler, partial(sampler.batched_complete, batch, sink), repeats)
         answers = sampler.batched_complete(batch)
         if not all(isinstance(answer, Completion) for answer in answers):
-            raise SystemExit("a row of the mixed batch was refused")
+            raise RuntimeError("a row of the mixed batch was refused")
         count = sink.pieces // (repeats + 1)
         rows.append([str(size), shown(greedy), shown(mixed), f"{mixed / greedy:.2f}x", str(count)])
     return markdown_table(header, rows, align="rrrrr")
@@ -157,7 +157,7 @@ def profile_step(sampler: HFSampler, prompts: list[str], size: int, new_tokens: 
         eager = steps(count, lambda: decoder._forward_and_choose(bucket, width, False))
         with profile(activities=activities) as profiler:
             steps(count, lambda: decoder._forward_and_choose(bucket, width, False))
-    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = profiler.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60)
     kind = "replayed" if bucket.graphs else "its static path's steps, run eagerly"
     return (

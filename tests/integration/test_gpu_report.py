@@ -68,7 +68,8 @@ def test_the_dry_run_checks_everything_the_report_needs(tmp_path: Path) -> None:
         lines = (tmp_path / table).read_text().splitlines()
         assert any(line.startswith("| 1 |") for line in lines), lines
     # QUICK=1's parts: the tree before the device-side loop, and ours beside transformers'
-    # continuous batching, a mixed batch, a step's profile.
+    # continuous batching, a mixed batch, a step's profile, the phases, the fused norms; none
+    # failed (a failing part prints its error in its table's place).
     before = (tmp_path / "dry-before.md").read_text().splitlines()
     known = subprocess.run(["git", "cat-file", "-e", f"{BEFORE_COMMIT}^{{commit}}"], cwd=ROOT,
                            check=False).returncode == 0  # fmt: skip
@@ -78,8 +79,10 @@ def test_the_dry_run_checks_everything_the_report_needs(tmp_path: Path) -> None:
     else:  # a shallow clone: said, not skipped
         assert "is not in this clone: QUICK=1 needs it" in done.stdout
     parts = (tmp_path / "dry-parts.md").read_text()
-    for heading in ("continuous batching: call", "mixed: call", "one 1-row step"):
+    for heading in ("continuous batching: call", "mixed: call", "one 1-row step", "| prefill |",
+                    "fused rms_norm: call"):  # fmt: skip
         assert heading in parts, parts
+    assert "failed:" not in parts, parts
     for log in ("collect-gpu.log", "collect-integration.log"):
         collected = re.search(r"(\d+) tests? collected", (tmp_path / log).read_text())
         assert collected is not None
