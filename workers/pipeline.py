@@ -27,7 +27,7 @@ and a batch received early is marked held (BatchAggregator.hold) so that it is h
 this worker dies before sealing it.
 
 Django- and Celery-free: `queue_answers` queues the commands that store and publish a batch's
-answers (batching.results.queue_result in a worker), `store_failure` stores a batch's
+answers (batching.result_store.queue_result in a worker), `store_failure` stores a batch's
 failure, `resend` sends a batch's task again.
 """
 
