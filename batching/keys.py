@@ -4,7 +4,8 @@ A queue's own keys (policy, workers, statistics, batch log) share the hash tag `
 request path is split over SAMPLING_SHARDS shards, each an open batch with its own keys under
 its own hash tag (ShardKeys), so that a Redis cluster spreads the shards over its masters and
 every script of a shard runs on one slot. With one shard, the shard's tag is the queue's.
-Nothing else in the project spells a `sampling:{...}:...` key.
+Nothing else in the project spells a `sampling:{...}:...` key; the prefix is an installed
+name (batching.installed_names).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
+from batching.installed_names import REDIS_KEY_PREFIX
 
 # The most shards a queue may have (SAMPLING_SHARDS): far more than any Redis cluster needs for
 # one model's requests.
@@ -28,7 +31,7 @@ class QueueKeys:
 
     @cached_property
     def tag(self) -> str:
-        return f"sampling:{{{self.queue}}}"
+        return f"{REDIS_KEY_PREFIX}:{{{self.queue}}}"
 
     @cached_property
     def live_workers(self) -> str:
@@ -139,9 +142,9 @@ class QueueKeys:
 
 # The published model catalog (batching.catalog): one JSON value with a version, the models
 # operators registered and their aliases, read by every web process's poller.
-CATALOG_KEY = "sampling:{catalog}:models"
+CATALOG_KEY = f"{REDIS_KEY_PREFIX}:{{catalog}}:models"
 # Held by the one web process that judges the canaries in each interval (operations.canary).
-CANARY_LOCK_KEY = "sampling:{catalog}:canary-judge"
+CANARY_LOCK_KEY = f"{REDIS_KEY_PREFIX}:{{catalog}}:canary-judge"
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,7 @@ class AccessKeys:
 
     @cached_property
     def prefix(self) -> str:
-        return f"sampling:{{{self.scope}}}"
+        return f"{REDIS_KEY_PREFIX}:{{{self.scope}}}"
 
     @cached_property
     def records(self) -> str:
@@ -207,7 +210,7 @@ class ShardKeys:
 
     @cached_property
     def prefix(self) -> str:
-        return f"sampling:{{{self.tag}}}"
+        return f"{REDIS_KEY_PREFIX}:{{{self.tag}}}"
 
     # --- lanes: one open batch per priority lane (a tier's priority; 0 for the anonymous
     # tier and for every request before tiers, whose keys keep their names) --------------

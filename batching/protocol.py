@@ -6,8 +6,8 @@ worker registers its task under the same name (workers/tasks.py).
 
 from __future__ import annotations
 
-# The name predates the split into apps: queued messages and running workers keep it.
-RUN_BATCH_TASK = "sampling.run_batch"
+# The task's name is an installed one: web processes and workers import it from here.
+from batching.installed_names import RUN_BATCH_TASK as RUN_BATCH_TASK
 
 # Celery's Redis transport keeps one list per priority step and a worker pops them in order,
 # step 0 first: CELERY_BROKER_TRANSPORT_OPTIONS sets these ten steps.

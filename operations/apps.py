@@ -2,17 +2,17 @@ from __future__ import annotations
 
 from django.apps import AppConfig
 
+from batching.installed_names import OPERATIONS_APP_LABEL
+
 
 class OperationsConfig(AppConfig):
     """The operators' side: the policy, its audit log, statistics, the stats page.
 
-    Its label stays "sampling", the app's name before the split into rooms: the database
-    tables (sampling_*), migration history, content types, permissions and admin URLs
-    (/admin/sampling/...) of existing installations are this app's, unchanged.
+    Its label stays "sampling" (batching.installed_names says why).
     """
 
     name = "operations"
-    label = "sampling"
+    label = OPERATIONS_APP_LABEL
     verbose_name = "Sampling"
 
     def ready(self) -> None:
