@@ -25,7 +25,7 @@ $(SECRET):
 
 run: $(STAMP) $(SECRET)
 	$(PY) manage.py migrate --noinput
-	$(PY) -m inference_site.lib.stack
+	$(PY) -m devstack.stack
 
 # Test processes of `make test`: each takes whole test files (a file's stacks stay in one).
 TEST_PROCESSES ?= 2

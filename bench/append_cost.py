@@ -32,8 +32,8 @@ from batching.ratelimit import RateCounter
 from batching.topology import redis_client
 from bench.harness.report import markdown_table
 from bench.harness.stats import median
-from inference_site.lib.embedded_cluster import EmbeddedCluster
-from inference_site.lib.embedded_redis import redis_url_or_embedded
+from devstack.embedded_cluster import EmbeddedCluster
+from devstack.embedded_redis import redis_url_or_embedded
 
 
 def pipelined_join(

@@ -28,7 +28,7 @@ from bench.harness import loadgen
 from bench.harness.machine import describe_machine
 from bench.harness.procstat import metric_samples
 from bench.harness.stack import Stack, new_queue, simulated_env, simulated_stack
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from devstack.embedded_redis import EmbeddedRedis
 from workers.samplers.simulated import expected_completion
 
 CALL_MS, MAX_BATCH = 100, 100

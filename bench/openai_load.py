@@ -39,7 +39,7 @@ from bench.harness.report import markdown_table
 from bench.harness.stack import ROOT, new_queue, simulated_env, simulated_stack
 from bench.harness.stats import median_of_rounds
 from bench.harness.trees import in_turn
-from inference_site.lib.embedded_redis import redis_url_or_embedded
+from devstack.embedded_redis import redis_url_or_embedded
 from workers.samplers.simulated import expected_completion
 
 AIPERF_VERSION = "0.13.0"

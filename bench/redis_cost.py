@@ -51,7 +51,7 @@ from bench.harness.report import markdown_table
 from bench.harness.stack import simulated_env, simulated_stack
 from bench.harness.stats import median_of_rounds
 from bench.harness.trees import Tree, in_turn, trees
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from devstack.embedded_redis import EmbeddedRedis
 from workers.samplers.simulated import expected_completion
 
 CALL_MS = 100

@@ -49,7 +49,7 @@ from bench.harness.procstat import cpu_seconds
 from bench.harness.report import markdown_table
 from bench.harness.stack import Stack, new_queue, simulated_env, simulated_stack
 from bench.harness.trees import THIS, Tree, in_turn, worktree
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from devstack.embedded_redis import EmbeddedRedis
 from workers.samplers.simulated import expected_completion
 
 MODELS = 3

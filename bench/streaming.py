@@ -43,7 +43,7 @@ from bench.harness.report import markdown_table
 from bench.harness.sse import Timeline, stream
 from bench.harness.stack import new_queue, simulated_env, simulated_stack
 from bench.harness.stats import percentile
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from devstack.embedded_redis import EmbeddedRedis
 from workers.launch import local_gpu_count
 from workers.samplers.simulated import expected_completion
 

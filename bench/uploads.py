@@ -32,8 +32,8 @@ from bench.harness.report import markdown_table
 from bench.harness.stack import make_api_keys, new_queue, simulated_env, simulated_stack
 from bench.harness.stats import median
 from bench.harness.trees import in_turn
-from inference_site.lib.embedded_redis import EmbeddedRedis
-from inference_site.lib.stack import Stack
+from devstack.embedded_redis import EmbeddedRedis
+from devstack.stack import Stack
 from workers.samplers.simulated import expected_completion
 
 CALL_MS = 100

@@ -70,7 +70,7 @@ def post_worker_init(worker: object) -> None:
 
     warm_up()
     # For whoever started gunicorn and waits for every process, not just the first one that
-    # answers (inference_site/lib/stack.py): this process has booted and now accepts requests.
+    # answers (devstack/stack.py): this process has booted and now accepts requests.
     ready_dir = os.environ.get("WEB_READY_DIR")
     if ready_dir:
         Path(ready_dir, str(os.getpid())).touch()

@@ -22,8 +22,8 @@ if "SAMPLING_MODEL_CACHE" not in os.environ:
     os.environ["SAMPLING_MODEL_CACHE"] = tempfile.mkdtemp(prefix="sampling-model-cache-")
     atexit.register(shutil.rmtree, os.environ["SAMPLING_MODEL_CACHE"], True)
 
-from inference_site.lib.embedded_redis import redis_url_or_embedded
-from inference_site.lib.stack import ROOT, Stack
+from devstack.embedded_redis import redis_url_or_embedded
+from devstack.stack import ROOT, Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER, unique_queue
 
 if TYPE_CHECKING:

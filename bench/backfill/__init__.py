@@ -47,8 +47,8 @@ from bench.harness.costs import Calls
 from bench.harness.machine import describe_machine
 from bench.harness.stack import make_api_keys, new_queue, simulated_env, simulated_stack
 from bench.harness.trees import in_turn
-from inference_site.lib.embedded_redis import EmbeddedRedis
-from inference_site.lib.stack import Stack
+from devstack.embedded_redis import EmbeddedRedis
+from devstack.stack import Stack
 from workers.launch import local_gpu_count
 from workers.lifecycle import HEARTBEAT_INTERVAL_S
 

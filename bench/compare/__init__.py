@@ -41,7 +41,7 @@ from bench.compare.report import write_report
 from bench.harness.machine import describe_machine
 from bench.harness.stack import ROOT
 from bench.harness.stats import median_of_rounds
-from inference_site.lib.embedded_redis import redis_url_or_embedded
+from devstack.embedded_redis import redis_url_or_embedded
 from planning import simulation
 
 OUT = ROOT / "docs" / "benchmarks"

@@ -76,8 +76,8 @@ from bench.harness.machine import describe_machine
 from bench.harness.procstat import cpu_seconds, redis_cpu, shed_counts
 from bench.harness.stack import Stack, simulated_env, simulated_stack
 from bench.harness.trees import in_turn
-from inference_site.lib.embedded_cluster import EmbeddedCluster
-from inference_site.lib.embedded_redis import EmbeddedRedis, valkey_binary
+from devstack.embedded_cluster import EmbeddedCluster
+from devstack.embedded_redis import EmbeddedRedis, valkey_binary
 
 SHED_REASONS = ("in_flight", "late")  # sampling.shedding.ShedReason's values
 

@@ -38,7 +38,7 @@ from bench.frontend.parts import (
     single_latency,
 )
 from bench.harness.report import markdown_table
-from inference_site.lib.embedded_redis import redis_url_or_embedded
+from devstack.embedded_redis import redis_url_or_embedded
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

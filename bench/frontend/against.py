@@ -13,7 +13,7 @@ from bench.harness.procstat import cpu_seconds, redis_commands
 from bench.harness.report import markdown_table
 from bench.harness.stack import Stack, make_api_keys, new_queue, simulated_env, simulated_stack
 from bench.harness.trees import in_turn, trees
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from devstack.embedded_redis import EmbeddedRedis
 
 
 def limited_key(stack: Stack) -> str:

@@ -48,7 +48,7 @@ from bench.harness.report import markdown_table
 from bench.harness.stack import ROOT
 from bench.harness.stats import median, median_of_rounds
 from bench.harness.trees import Tree, in_turn, trees
-from inference_site.lib.embedded_redis import redis_url_or_embedded
+from devstack.embedded_redis import redis_url_or_embedded
 
 COSTS = ROOT / "planning" / "costs.json"
 SCENARIOS: dict[str, Callable[[Bench, Tree], None]] = {

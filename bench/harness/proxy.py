@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from inference_site.lib.embedded_redis import free_port
-from inference_site.lib.stack import ROOT
+from devstack.embedded_redis import free_port
+from devstack.stack import ROOT
 
 CONFIG_DIR = ROOT / "deploy" / "nginx"
 

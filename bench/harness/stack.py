@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from batching.access import POLL_INTERVAL_S
-from inference_site.lib.stack import ROOT, Stack
+from devstack.stack import ROOT, Stack
 
 __all__ = ["ROOT", "Stack", "make_api_keys", "new_queue", "simulated_env", "simulated_stack"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 
 T = TypeVar("T")
 

@@ -44,7 +44,7 @@ from bench.harness.stack import Stack, new_queue, simulated_env, simulated_stack
 from bench.harness.stats import percentile
 from bench.harness.trees import Tree, in_turn, trees
 from bench.overload.goals import DEADLINE_MS, line, table, verdict
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from devstack.embedded_redis import EmbeddedRedis
 
 CALL_MS = 100
 MAX_BATCH = 100

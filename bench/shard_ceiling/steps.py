@@ -21,7 +21,7 @@ from batching.aggregator import BatchAggregator
 from bench.harness.procstat import redis_cpu
 from bench.harness.stats import percentile
 from bench.shard_ceiling.clients import DEADLINE_MS, MAX_BATCH, Share, Step, client_process
-from inference_site.lib.embedded_redis import EmbeddedRedis, valkey_binary
+from devstack.embedded_redis import EmbeddedRedis, valkey_binary
 
 SEAL_EVERY_S = 0.010
 INPUTS = AdmissionInputs(workers=1000, turn_ms=1)  # admission never refuses

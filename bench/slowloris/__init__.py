@@ -38,7 +38,7 @@ from bench.slowloris.fronts import (
     slowloris_stack,
 )
 from bench.slowloris.slow_clients import hold
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from devstack.embedded_redis import EmbeddedRedis
 
 SLOW_CONNECTIONS = 3000
 

@@ -56,7 +56,7 @@ from bench.soak.verdict import (
     report,
     verdict,
 )
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from devstack.embedded_redis import EmbeddedRedis
 from workers.samplers.simulated import expected_completion
 
 __all__ = ["SoakResult", "add_arguments", "main", "report", "run"]

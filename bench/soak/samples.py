@@ -14,7 +14,7 @@ import redis
 
 from bench.harness.stack import Stack
 from bench.soak.verdict import SAMPLE_EVERY_S, STATS_KEY, Samples
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from devstack.embedded_redis import EmbeddedRedis
 
 
 def _processes(stack: Stack, server: EmbeddedRedis) -> dict[int, str]:

@@ -52,7 +52,7 @@ from bench.harness import loadgen
 from bench.harness.stack import Stack, make_api_keys, new_queue, simulated_env, simulated_stack
 from bench.harness.stats import percentile
 from bench.tiers.report import batches, medians, table
-from inference_site.lib.embedded_redis import redis_url_or_embedded
+from devstack.embedded_redis import redis_url_or_embedded
 from workers.samplers.simulated import expected_completion
 
 # The scenario's traffic: tier -> share of the requests.

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 from django.conf import settings
 
-from inference_site.lib.stack import ROOT, Stack
+from devstack.stack import ROOT, Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 

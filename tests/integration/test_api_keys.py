@@ -25,7 +25,7 @@ import redis
 from openai import OpenAI
 
 from batching import access
-from inference_site.lib.stack import ROOT, Stack
+from devstack.stack import ROOT, Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample

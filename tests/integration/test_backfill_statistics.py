@@ -16,7 +16,7 @@ import redis
 
 from batching.aggregator import BatchAggregator
 from batching.policy import Policy
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from operations import dashboard
 from tests.support.batches import batch_stack, chat_lines, create, keyed_client
 from tests.support.http import sample

@@ -20,7 +20,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from batching.aggregator import BatchAggregator
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support.batches import (
     CHAT,
     batch_stack,

@@ -17,8 +17,8 @@ import redis
 from openai import OpenAI
 
 from batching.keys import QueueKeys, ShardKeys, shard_tags
-from inference_site.lib.embedded_redis import EmbeddedRedis
-from inference_site.lib.stack import Stack
+from devstack.embedded_redis import EmbeddedRedis
+from devstack.stack import Stack
 from tests.support.batches import (
     batch_stack,
     chat_lines,

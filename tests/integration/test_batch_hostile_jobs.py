@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from offline.feeder import AHEAD_CALLS
 from tests.support.batches import (
     CHAT,

@@ -25,7 +25,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from offline.feeder import AHEAD_CALLS
 from tests.support import unique_queue
 from tests.support.batches import (

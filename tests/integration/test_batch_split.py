@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support import unique_queue
 from tests.support.batches import batch_stack, chat_lines, completed, create, ended, keyed_client
 from tests.support.batches import records as records_of

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from batching.keys import QueueKeys
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support import unique_queue
 from tests.support.batches import (
     chat_lines,

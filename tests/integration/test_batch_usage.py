@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from inference_site.lib.stack import ROOT, Stack, migrated_database
+from devstack.stack import ROOT, Stack, migrated_database
 from tests.support import unique_queue
 from tests.support.batches import EMBEDDINGS, chat_lines, create, ended, keyed_client, records
 from tests.support.http import request

@@ -19,7 +19,7 @@ import pytest
 from openai import OpenAI
 
 from batching.budgets import KEY_HELD, OWNER_SPENT, TEMPLATE_TOKENS
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support import unique_queue
 from tests.support.http import request
 from tests.support.keys import bearer, create_key, known_everywhere

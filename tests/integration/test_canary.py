@@ -20,7 +20,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER, unique_queue
 from tests.support.admin_client import AdminSession
 from tests.support.manage import manage

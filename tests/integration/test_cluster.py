@@ -22,9 +22,9 @@ from redis.crc import key_slot
 from batching.aggregator import BatchAggregator
 from batching.keys import ShardKeys, tag_of
 from batching.topology import redis_client
-from inference_site.lib.embedded_cluster import EmbeddedCluster
-from inference_site.lib.embedded_redis import EmbeddedRedis
-from inference_site.lib.stack import Stack
+from devstack.embedded_cluster import EmbeddedCluster
+from devstack.embedded_redis import EmbeddedRedis
+from devstack.stack import Stack
 from inference_site.redis_client import MAX_CONNECTIONS_PER_PROCESS, connect
 from tests.support.bursts import burst_until_answered
 from tests.support.http import Reply, sample

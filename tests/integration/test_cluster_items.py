@@ -15,7 +15,7 @@ from batching.aggregator import BatchAggregator
 from batching.keys import LaneKeys
 from batching.ratelimit import RateCounter
 from batching.topology import WaitingPool, redis_client
-from inference_site.lib.embedded_cluster import EmbeddedCluster
+from devstack.embedded_cluster import EmbeddedCluster
 from tests.support import unique_queue
 
 pytestmark = pytest.mark.integration

@@ -20,9 +20,9 @@ from batching.aggregator import BatchAggregator
 from batching.policy import Policy, publish
 from batching.stats import SECOND, merge, read_buckets
 from batching.topology import redis_client
-from inference_site.lib.embedded_cluster import EmbeddedCluster
-from inference_site.lib.embedded_redis import EmbeddedRedis
-from inference_site.lib.stack import Stack
+from devstack.embedded_cluster import EmbeddedCluster
+from devstack.embedded_redis import EmbeddedRedis
+from devstack.stack import Stack
 from tests.support.http import Reply, request, sample
 from tests.support.keys import bearer, create_key
 from tests.support.waiting import wait_until

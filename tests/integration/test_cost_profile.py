@@ -21,7 +21,7 @@ from openai import OpenAI
 from batching.aggregator import BatchAggregator
 from batching.call_cost import Shape, load_profile
 from bench.profile_fit import fit, section_of
-from inference_site.lib.stack import ROOT, Stack
+from devstack.stack import ROOT, Stack
 from tests.support.http import sample
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion

@@ -1,4 +1,4 @@
-"""The throw-away Valkey cluster (inference_site/lib/embedded_cluster.py) under redis-py's
+"""The throw-away Valkey cluster (devstack/embedded_cluster.py) under redis-py's
 RedisCluster: keys, scripts and sharded pub/sub on every master, and a master that dies
 and comes back. Prints how long RedisCluster takes to give up on a dead master."""
 
@@ -18,7 +18,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from inference_site.lib.embedded_cluster import EmbeddedCluster
+from devstack.embedded_cluster import EmbeddedCluster
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ from batching.generation import (
     SampleRequest,
     render_chat_plain,
 )
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 from tests.support.tiny_model import TINY_CONTEXT_TOKENS, build_tiny_model
 from workers.samplers.base import MAX_BATCH, GenerationSettings, PromptRejected
 from workers.samplers.hf import HFSampler

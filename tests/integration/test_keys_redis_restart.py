@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from batching import access
-from inference_site.lib.embedded_redis import EmbeddedRedis
-from inference_site.lib.stack import Stack
+from devstack.embedded_redis import EmbeddedRedis
+from devstack.stack import Stack
 from tests.support.http import sample
 from tests.support.keys import bearer, create_key
 from tests.support.waiting import wait_until

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support.http import request, sample
 from workers.samplers.simulated import expected_completion
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support import malformed
 from tests.support.http import sample
 from workers.samplers.simulated import expected_completion

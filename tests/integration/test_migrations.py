@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 
 pytestmark = pytest.mark.integration
 

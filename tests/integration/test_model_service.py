@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 
 from batching.generation import Completion, Row, RowSettings
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support.batches import ended, jsonl, keyed_client, records
 from tests.support.http import sample
 from tests.support.worker import worker_output_at_exit

@@ -20,7 +20,7 @@ from openai import OpenAI
 
 from batching.embeddings import decode, shortened
 from batching.registry import HEARTBEAT_TIMEOUT_MS
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support import unique_queue
 from tests.support.http import request
 from tests.support.manage import manage

@@ -20,7 +20,7 @@ from django.conf import settings
 from batching.policy import BOUNDS
 from bench.harness.proxy import CONFIG_DIR, Nginx, nginx_binary
 from bench.slowloris.fronts import Front, measure, measure_fronts
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request

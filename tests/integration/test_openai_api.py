@@ -18,8 +18,8 @@ from batching.generation import RowSettings, render_chat_plain
 from batching.keys import ShardKeys
 from bench.harness import loadgen
 from bench.harness.stalled import StalledWorker
-from inference_site.lib.embedded_redis import free_port
-from inference_site.lib.stack import Stack
+from devstack.embedded_redis import free_port
+from devstack.stack import Stack
 from tests.support.http import request
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion, expected_row_completion

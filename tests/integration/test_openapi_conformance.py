@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from sampling.openapi import openapi_document
 from tests.support.batches import keyed_client
 

@@ -25,7 +25,7 @@ from batching.access import ANONYMOUS_TIER
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from operations import dashboard
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession

@@ -19,7 +19,7 @@ from openai import OpenAI
 
 from batching import access, ratelimit
 from batching.keys import ShardKeys
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support import unique_queue
 from tests.support.http import Reply, request, sample
 from tests.support.keys import bearer, create_key, known_everywhere

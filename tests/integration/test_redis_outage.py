@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from inference_site.lib.embedded_redis import EmbeddedRedis
-from inference_site.lib.stack import Stack
+from devstack.embedded_redis import EmbeddedRedis
+from devstack.stack import Stack
 from tests.support.http import sample
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion

@@ -20,7 +20,7 @@ from batching import policy, stats
 from batching.aggregator import BatchAggregator
 from batching.keys import QueueKeys
 from batching.registry import HEARTBEAT_TIMEOUT_MS, WorkerRegistry
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample

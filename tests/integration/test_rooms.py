@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support.http import sample
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion

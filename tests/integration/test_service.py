@@ -20,8 +20,8 @@ from batching.keys import ShardKeys
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
 from bench.harness.stalled import StalledWorker
-from inference_site.lib.embedded_redis import free_port
-from inference_site.lib.stack import Stack
+from devstack.embedded_redis import free_port
+from devstack.stack import Stack
 from tests.support.bursts import burst_until_answered
 from tests.support.http import request, sample
 from tests.support.probe_sampler import seen_key

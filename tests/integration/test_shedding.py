@@ -12,7 +12,7 @@ import redis
 
 from batching.aggregator import BatchAggregator
 from bench.harness.stalled import StalledWorker
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support.http import request, sample
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_site.lib.stack import ROOT, migrated_database
+from devstack.stack import ROOT, migrated_database
 
 pytestmark = pytest.mark.integration
 

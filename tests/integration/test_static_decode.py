@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from batching.generation import Completion, Row, RowSettings
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 from tests.integration.test_hf_sampler import MIXED_PROMPTS, check_rows_match_alone, mixed_rows
 from tests.support.tiny_model import build_tiny_model
 from tests.support.worker import worker_output_at_exit

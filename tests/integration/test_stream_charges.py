@@ -14,7 +14,7 @@ from decimal import Decimal
 
 import pytest
 
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.support import unique_queue
 from tests.support.batches import (
     COMPLETION_PRICE,

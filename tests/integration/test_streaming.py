@@ -28,7 +28,7 @@ from batching.deltas import is_delta, parse_deltas
 from batching.generation import render_chat_plain
 from batching.policy import Policy
 from bench.harness.proxy import Nginx, nginx_binary
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from operations import dashboard
 from tests.support.http import request
 from tests.support.ingress_nginx import IngressNginx

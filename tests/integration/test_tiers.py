@@ -18,7 +18,7 @@ from batching.aggregator import BatchAggregator
 from batching.keys import LaneKeys
 from batching.policy import Policy
 from batching.recommendation import RECENT_S
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from operations import dashboard
 from operations.dashboard import TierRow
 from tests.support import ADMIN_PASSWORD, ADMIN_USER

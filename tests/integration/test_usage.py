@@ -19,7 +19,7 @@ import pytest
 from openai import OpenAI
 
 from batching.outcomes import RequestOutcome
-from inference_site.lib.stack import ROOT, Stack
+from devstack.stack import ROOT, Stack
 from sampling.schemas import UsageReport
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession

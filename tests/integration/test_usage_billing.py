@@ -22,7 +22,7 @@ import pytest
 from openai import OpenAI
 from openai.types import CompletionUsage
 
-from inference_site.lib.stack import Stack
+from devstack.stack import Stack
 from tests.integration.test_usage import in_the_database, usage
 from tests.support.keys import create_key, known_everywhere, once_known
 from tests.support.waiting import wait_until

@@ -13,7 +13,7 @@ import redis
 
 from batching import stats
 from batching.outcomes import RequestOutcome
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from devstack.embedded_redis import EmbeddedRedis
 from tests.support import unique_queue
 from tests.support.waiting import wait_until
 

@@ -24,8 +24,8 @@ import redis
 
 from batching.aggregator import HELD_SUFFIX, BatchAggregator
 from batching.policy import Policy
-from inference_site.lib.embedded_redis import free_port
-from inference_site.lib.stack import ROOT, Stack
+from devstack.embedded_redis import free_port
+from devstack.stack import ROOT, Stack
 from operations.models import POLICY_FIELDS
 from tests.support import ADMIN_PASSWORD, ADMIN_USER, unique_queue
 from tests.support.admin_client import AdminSession
@@ -251,7 +251,7 @@ def make_run(redis_url: str, tmp_path: Path) -> Iterator[MakeRun]:
     output = tmp_path / "make-run.log"
     with output.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "inference_site.lib.stack"],
+            [sys.executable, "-m", "devstack.stack"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:

@@ -18,7 +18,7 @@ from openai import OpenAI
 from openai.types import Batch
 
 from batching.generation import render_chat_plain
-from inference_site.lib.stack import ROOT, Stack, migrated_database
+from devstack.stack import ROOT, Stack, migrated_database
 from tests.support.http import request
 from tests.support.keys import PROBES, bearer, create_key
 from tests.support.manage import manage

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 
 globals().update(
     {

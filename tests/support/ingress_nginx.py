@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from bench.harness.proxy import Nginx
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
 INGRESS = K8S / "base" / "ingress.yaml"

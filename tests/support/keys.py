@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import openai
 
-from inference_site.lib.stack import ROOT, Stack
+from devstack.stack import ROOT, Stack
 from tests.support.http import request
 from tests.support.waiting import wait_until
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from inference_site.lib.stack import ROOT, Stack
+from devstack.stack import ROOT, Stack
 
 
 def manage(stack: Stack, *args: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 from tests.support import unique_queue
 from workers.launch import worker_command, worker_environment
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import grimp
 
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 
 PACKAGES = (
     "batching", "sampling", "workers", "operations", "offline", "planning", "inference_site",
-    "bench",
+    "devstack", "bench",
 )  # fmt: skip
 
 

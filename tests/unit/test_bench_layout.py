@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from bench.__main__ import BENCHMARKS
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 
 BENCH = ROOT / "bench"
 # Packages under bench/ that are not benchmarks: the harness, the baselines' Django project

@@ -16,7 +16,7 @@ import pytest
 from batching.call_cost import CostProfile, Shape, load_profile, packaged_profiles
 from batching.generation import Completion, Row, RowSettings
 from bench.profile_fit import fit, section_of
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 from workers.samplers.simulated import SimulatedSampler
 
 H100 = "h100-graphs-135m"

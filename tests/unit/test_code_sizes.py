@@ -6,11 +6,11 @@ import ast
 import re
 from pathlib import Path
 
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 
 PACKAGES = (
     "batching", "sampling", "workers", "operations", "offline", "planning", "inference_site",
-    "bench",
+    "devstack", "bench",
 )  # fmt: skip
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80

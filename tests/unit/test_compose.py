@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 
 # docker-compose v1 from PyPI in its own virtual environment (git-ignored), made on first use,
 # when no `docker compose` v2 or `docker-compose` is on PATH: its pinned PyYAML<6 does not

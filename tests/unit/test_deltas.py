@@ -16,7 +16,7 @@ from batching.deltas import Delta, Feed, delta_message, is_delta, parse_deltas
 from batching.generation import SampleRequest
 from batching.items import item_of, parse_item
 from batching.keys import ShardKeys, results_channel
-from inference_site.lib.embedded_redis import EmbeddedRedis
+from devstack.embedded_redis import EmbeddedRedis
 from tests.support.waiting import wait_until
 from workers.deltas import EXIT_WAIT_S, DeltaPublisher
 

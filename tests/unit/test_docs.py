@@ -54,7 +54,15 @@ def test_every_page_is_in_the_navigation() -> None:
 # Read by the service but not settings of an operator's: the WSGI environment's PATH_INFO,
 # and the directory where the test and benchmark stacks learn that every web process booted.
 NOT_SETTINGS = {"PATH_INFO", "WEB_READY_DIR", "XDG_CACHE_HOME"}  # the last: a standard of the OS
-SERVICE_PACKAGES = ["inference_site", "sampling", "workers", "batching", "operations", "planning"]
+SERVICE_PACKAGES = [
+    "inference_site",
+    "devstack",
+    "sampling",
+    "workers",
+    "batching",
+    "operations",
+    "planning",
+]
 CONFIGURATION_PAGE = ROOT / "docs" / "reference" / "configuration.md"
 
 

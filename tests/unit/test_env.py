@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from devstack.stack import CPU_PROFILE, cpu_profile
 from inference_site.lib.env import (
     ImproperlyConfigured,
     env_bool,
@@ -13,7 +14,6 @@ from inference_site.lib.env import (
     env_str,
     env_text,
 )
-from inference_site.lib.stack import CPU_PROFILE, cpu_profile
 
 
 def test_defaults_when_unset_or_blank() -> None:
@@ -81,7 +81,7 @@ def test_cpu_profile_fills_only_what_is_unset_and_only_for_a_model() -> None:
 
 
 def test_make_run_starts_a_worker_for_each_model_with_its_sampler() -> None:
-    from inference_site.lib.stack import Stack
+    from devstack.stack import Stack
 
     models = {"SAMPLER": "simulated", "SAMPLING_MODELS": "chat, embed=simulated-embedder"}
     assert Stack(env=models, gpus=[None]).worker_plan() == [

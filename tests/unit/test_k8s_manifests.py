@@ -31,8 +31,8 @@ from django.http.request import split_domain_port, validate_host
 from django.urls import reverse
 
 from batching.policy import BOUNDS
+from devstack.stack import ROOT
 from inference_site.direct import DIRECT_PATHS
-from inference_site.lib.stack import ROOT
 
 Obj = dict[str, Any]
 

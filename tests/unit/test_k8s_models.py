@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 from tests.unit.test_k8s_manifests import of_kind, rendered
 
 OVERLAY = ROOT / "deploy" / "k8s" / "overlays" / "models"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from inference_site.lib.stack import ROOT
+from devstack.stack import ROOT
 
 MAX_FIXED_DELAYS = 15
 NO_DELAY_AT_ALL = ("tests/unit/test_aggregator.py", "tests/unit/test_lanes.py")

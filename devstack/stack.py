@@ -2,7 +2,7 @@
 worker per GPU (one CPU worker without GPUs) and gunicorn. Used by `make run` and by the
 tests' fixtures, so both exercise the same processes started the same way.
 
-    python -m inference_site.lib.stack        # what `make run` runs after installing
+    python -m devstack.stack        # what `make run` runs after installing
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from inference_site.lib.embedded_redis import EmbeddedRedis, free_port
+from devstack.embedded_redis import EmbeddedRedis, free_port
 from inference_site.lib.env import env_int, env_models, env_str
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _http_status(url: str, timeout: float = 2.0) -> int:

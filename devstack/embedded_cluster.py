@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from inference_site.lib.embedded_redis import EmbeddedRedis, free_port, valkey_binary
+from devstack.embedded_redis import EmbeddedRedis, free_port, valkey_binary
 
 SLOTS = 16384
 
