@@ -13,5 +13,6 @@ RUN_BATCH_TASK = "sampling.run_batch"
 # The operations app's Django label: its tables (sampling_*), migration history, content
 # types, permissions and admin URLs (/admin/sampling/...).
 OPERATIONS_APP_LABEL = "sampling"
-# Every Prometheus metric begins with it: dashboards and alert rules query these names.
+# Every Prometheus metric begins with it: dashboards and alert rules query these names. Each
+# metric spells its whole name where it is declared; the pin test checks the prefix.
 METRIC_PREFIX = "sampling_"

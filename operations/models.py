@@ -31,7 +31,7 @@ from batching.budgets import budget_nanos
 from batching.policy import MAX_BATCH_SIZE
 from batching.stats import Summary
 from batching.topology import REDIS_FAULTS
-from inference_site.redis_client import redis_client
+from sampling.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from django.db.models.signals import post_delete, post_save
 from batching import canary as live_canary
 from batching import catalog as live_catalog
 from batching.topology import REDIS_FAULTS
-from inference_site.redis_client import redis_client
+from sampling.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem
 from batching.topology import REDIS_FAULTS
-from inference_site.redis_client import redis_client
 from operations.models import ApiKey, UsageMinute, known_queues
+from sampling.redis_client import redis_client
 from sampling.responses import Invalid, json_response
 from sampling.wrappers import openai_endpoint
 

@@ -8,10 +8,10 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils.safestring import mark_safe
 
-from inference_site.redis_client import redis_client
 from operations import canary, dashboard
 from operations.models import SamplingPolicy, Tier, default_policy, known_queues
 from operations.registry import AliasTarget, CanaryTrial
+from sampling.redis_client import redis_client
 from sampling.runtime import web_process
 
 

@@ -1,6 +1,6 @@
 """The per-process runtime of a web process: the catalog of models and, for each model it
 serves, an aggregator, live policy, statistics and live workers' count; API keys; over the
-process's Redis client (inference_site.redis_client).
+process's Redis client (sampling.redis_client).
 
 Built lazily after gunicorn forks (and after gevent patches sockets), once per process.
 """
@@ -26,7 +26,7 @@ from batching.policy import Policy, PolicyWatcher, policy_from_settings
 from batching.ratelimit import RateLimiter
 from batching.stats import RequestStats
 from batching.topology import REDIS_FAULTS
-from inference_site.redis_client import redis_client
+from sampling.redis_client import redis_client
 from sampling.shedding import ADAPT_WINDOW_S, QuickestAnswers, Shedder
 
 log = logging.getLogger(__name__)

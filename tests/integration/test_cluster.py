@@ -25,7 +25,7 @@ from batching.topology import redis_client
 from devstack.embedded_cluster import EmbeddedCluster
 from devstack.embedded_redis import EmbeddedRedis
 from devstack.stack import Stack
-from inference_site.redis_client import MAX_CONNECTIONS_PER_PROCESS, connect
+from sampling.redis_client import MAX_CONNECTIONS_PER_PROCESS, connect
 from tests.support.bursts import burst_until_answered
 from tests.support.http import Reply, sample
 from tests.support.waiting import wait_until

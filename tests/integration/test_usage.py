@@ -65,7 +65,7 @@ def in_the_database(stack: Stack, key_name: str) -> dict[str, Any]:
 import json, time
 from operations import housekeeping
 from operations.models import UsageMinute
-from inference_site.redis_client import redis_client
+from sampling.redis_client import redis_client
 housekeeping.persist_minutes(redis_client(), {stack.env["SAMPLING_QUEUE"]!r}, time.time() + 120)
 rows = UsageMinute.objects.filter(key__name={key_name!r})
 requests = {{}}

@@ -15,7 +15,6 @@ from django.core.management import CommandError, call_command
 
 from batching import access
 from batching.budgets import budget_nanos
-from inference_site import redis_client as web_redis
 from operations import housekeeping
 from operations.models import (
     ApiKey,
@@ -25,6 +24,7 @@ from operations.models import (
     publish_access,
     republish_missing_access,
 )
+from sampling import redis_client as web_redis
 
 pytestmark = pytest.mark.django_db
 

@@ -17,7 +17,6 @@ from batching.budgets import Budgets
 from batching.keys import AccessKeys, QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
-from inference_site import redis_client as web_redis
 from operations import housekeeping, usage
 from operations.models import (
     ApiKey,
@@ -28,6 +27,7 @@ from operations.models import (
     UsageMinute,
     default_policy,
 )
+from sampling import redis_client as web_redis
 from tests.support import unique_queue
 
 pytestmark = pytest.mark.django_db

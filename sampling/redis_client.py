@@ -1,12 +1,12 @@
 """The Redis client of a web process: the one home of the connection that the request path
 (sampling) and the operators' app (operations) share.
 
-Beside the Celery app (inference_site.celery) because it is the same kind of thing: a
-connection of the Django project, built from its settings (SAMPLING_REDIS_URL,
-SAMPLING_REDIS_CLUSTER) once per process after gunicorn forks. Neither app owns it, so
-neither imports the other's runtime for it: an admin save that publishes a policy and a
-request that joins a batch use the same bounded pool. The GPU workers build their own from
-their own settings (workers.lifecycle).
+A connection of the Django project, built from its settings (SAMPLING_REDIS_URL,
+SAMPLING_REDIS_CLUSTER) once per process after gunicorn forks. It lives with the request
+path, its main user; the operators' app, a floor above, imports it and not the request
+path's runtime: an admin save that publishes a policy and a request that joins a batch use
+the same bounded pool. The GPU workers build their own from their own settings
+(workers.lifecycle).
 
 The pool is bounded: thousands of waiting requests share a few dozen connections, since a
 request holds one only for its single round trip. A request that finds every connection
