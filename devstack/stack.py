@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from config.env import env_int, env_models, env_str
 from devstack.embedded_redis import EmbeddedRedis, free_port
-from inference_site.lib.env import env_int, env_models, env_str
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from inference_site.lib.env import env_int, env_str
+from config.env import env_int, env_str
 
 bind = f"{env_str('HOST', '127.0.0.1')}:{env_int('PORT', 8000, minimum=1, maximum=65535)}"
 worker_class = "gevent"

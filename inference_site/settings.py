@@ -1,6 +1,6 @@
 """Django settings for the sampling service.
 
-Every value comes from the environment through the typed helpers in inference_site.lib.env,
+Every value comes from the environment through the typed helpers in config.env,
 so a bad value fails at start with ImproperlyConfigured naming the variable. Each setting is
 documented in docs/reference/configuration.md.
 """
@@ -19,7 +19,7 @@ from batching.deltas import STREAM_INTERVAL_MS
 from batching.keys import MAX_SHARDS
 from batching.policy import BOUNDS, Policy
 from batching.protocol import PRIORITY_STEPS
-from inference_site.lib.env import (
+from config.env import (
     env_bool,
     env_choice,
     env_float,

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 
-from inference_site.lib.env import env_name
+from config.env import env_name
 
 
 def local_gpu_count() -> int:

@@ -3,7 +3,7 @@ processes of the baselines run with DJANGO_SETTINGS_MODULE=bench.baselines.setti
 
 from __future__ import annotations
 
-from inference_site.lib.env import env_int
+from config.env import env_int
 from inference_site.settings import *  # noqa: F403
 from inference_site.settings import INSTALLED_APPS
 

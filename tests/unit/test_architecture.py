@@ -11,8 +11,8 @@ import grimp
 from devstack.stack import ROOT
 
 PACKAGES = (
-    "batching", "sampling", "workers", "operations", "offline", "planning", "inference_site",
-    "devstack", "bench",
+    "config", "batching", "sampling", "workers", "operations", "offline", "planning",
+    "inference_site", "devstack", "bench",
 )  # fmt: skip
 
 

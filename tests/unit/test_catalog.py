@@ -18,7 +18,7 @@ from batching.catalog import (
     base_catalog,
     publish,
 )
-from inference_site.lib.env import ImproperlyConfigured, env_models
+from config.env import ImproperlyConfigured, env_models
 
 SPLIT = Alias("chat", (Target("chat-v1", 90), Target("chat-v2", 10, canary=True)))
 CATALOG = Catalog.of(

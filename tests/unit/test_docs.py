@@ -68,7 +68,7 @@ CONFIGURATION_PAGE = ROOT / "docs" / "reference" / "configuration.md"
 
 def _settings_read() -> dict[str, str]:
     """Every environment variable the service's code reads, with a file that reads it: the
-    first argument of inference_site.lib.env's readers (and of the settings' policy readers),
+    first argument of config.env's readers (and of the settings' policy readers),
     of os.environ.get and os.getenv, and os.environ[...]."""
     found: dict[str, str] = {}
     files = [path for package in SERVICE_PACKAGES for path in (ROOT / package).rglob("*.py")]

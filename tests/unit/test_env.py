@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from devstack.stack import CPU_PROFILE, cpu_profile
-from inference_site.lib.env import (
+from config.env import (
     ImproperlyConfigured,
     env_bool,
     env_choice,
@@ -14,6 +13,7 @@ from inference_site.lib.env import (
     env_str,
     env_text,
 )
+from devstack.stack import CPU_PROFILE, cpu_profile
 
 
 def test_defaults_when_unset_or_blank() -> None:

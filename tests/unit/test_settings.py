@@ -14,8 +14,8 @@ import pytest
 import redis
 import yaml
 
+from config.env import ImproperlyConfigured, env_secret
 from devstack.stack import ROOT
-from inference_site.lib.env import ImproperlyConfigured, env_secret
 
 
 def manage_check(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:

