@@ -1,16 +1,8 @@
+"""The Celery app's entry point (`celery -A inference_site`): the app itself lives with the
+request path, its main user (sampling.broker)."""
+
 from __future__ import annotations
 
-import os
+from sampling.broker import app
 
-from celery import Celery
-
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inference_site.settings")
-
-app = Celery("inference_site")
-
-# All Celery settings live in Django's settings with the CELERY_ prefix.
-app.config_from_object("django.conf:settings", namespace="CELERY")
-
-# Task modules of the installed apps; the batch task (workers/tasks.py) is in CELERY_IMPORTS,
-# which only `celery worker` imports.
-app.autodiscover_tasks()
+__all__ = ("app",)

@@ -400,7 +400,7 @@ SAMPLING_STATS_FLUSH_INTERVAL_S = env_float(
     "SAMPLING_STATS_FLUSH_INTERVAL_S", 1.0, minimum=0.1, maximum=3600
 )
 
-# --- Celery (read by inference_site/celery.py with the CELERY_ namespace) ------------------
+# --- Celery (read by sampling/broker.py with the CELERY_ namespace) -----------------------
 # The broker carries one message per batch: REDIS_URL unless set apart. It is never a cluster
 # (kombu's Redis transport does not support one); a plain Redis beside the cluster does.
 CELERY_BROKER_URL = with_password(env_str("CELERY_BROKER_URL", REDIS_URL), _REDIS_PASSWORD)

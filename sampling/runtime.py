@@ -325,7 +325,7 @@ def warm_up() -> None:
     from kombu.common import maybe_declare
 
     from batching.results import SharedListenerRedisBackend
-    from inference_site.celery import app as celery_app
+    from sampling.broker import app as celery_app
 
     resolve("/sample")  # imports the view and the result backend
     try:

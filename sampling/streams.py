@@ -38,8 +38,8 @@ from batching.items import Ticket
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem
 from batching.results import ResultListener, SharedListenerRedisBackend
-from inference_site.celery import app as celery_app
 from sampling import metrics, schemas
+from sampling.broker import app as celery_app
 from sampling.completions import usage_of
 from sampling.submission import (
     Answers,

@@ -37,8 +37,8 @@ from batching.ratelimit import Limited, RateCounter, RateLimiter, Reservation
 from batching.result_store import queue_result
 from batching.stats import RequestStats
 from batching.topology import REDIS_FAULTS
-from inference_site.celery import app as celery_app
 from sampling import metrics
+from sampling.broker import app as celery_app
 from sampling.shedding import JOINED_AT, QuickestAnswers
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from bench.baselines import settings as bench_settings
 from bench.baselines import tasks
-from inference_site.celery import app as celery_app
+from sampling.broker import app as celery_app
 from sampling.redis_client import redis_client
 
 PLAIN_SET_KEY = "bench:plain-set"
