@@ -50,5 +50,10 @@ class BatchLog:
             pipe.execute()
 
     def published_turn_ms(self) -> float:
-        raw = self.client.get(self.keys.turn_ms)
-        return float(raw) if raw else 0.0
+        return published_turn_ms(self.client, self.keys)
+
+
+def published_turn_ms(client: redis.Redis, keys: QueueKeys) -> float:
+    """The workers' running estimate of a call (ms), 0 before any."""
+    raw = client.get(keys.turn_ms)
+    return float(raw) if raw else 0.0

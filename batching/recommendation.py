@@ -29,8 +29,10 @@ from dataclasses import dataclass
 import redis
 
 from batching import stats
-from batching.aggregator import BatchAggregator
+from batching.batch_log import published_turn_ms
+from batching.keys import QueueKeys
 from batching.policy import Policy
+from batching.registry import WorkerRegistry
 
 RECENT_S = 60  # the window of the recommendation (and of the stats page's headline figures)
 PEAK_WINDOW_S = 10  # the recommendation plans for the busiest this many seconds of the window
@@ -160,20 +162,21 @@ def peak_demand(seconds: list[Counter[str]], window_s: int = PEAK_WINDOW_S) -> f
 
 
 def from_traffic(
-    recent: stats.Summary, aggregator: BatchAggregator, policy: Policy
+    recent: stats.Summary, policy: Policy, live_gpus: int, turn_ms: float
 ) -> Recommendation:
-    """The recommendation for `recent` traffic under `policy`, with the live workers now.
-    Without a call in the window, the workers' running estimate of a call stands in."""
+    """The recommendation for `recent` traffic under `policy`, with `live_gpus` workers now.
+    Without a call in the window, `turn_ms` (the workers' running estimate of a call) stands
+    in."""
     sampler_ms = recent.mean_sampler_ms()
     if sampler_ms is None:
-        sampler_ms = aggregator.batch_log.published_turn_ms()
+        sampler_ms = turn_ms
     return recommend(
         rate_rps=recent.demand_rate(),
         peak_rps=recent.peak_demand_rps,
         sampler_ms=sampler_ms or 1.0,
         max_batch_size=policy.max_batch_size,
         fill_target_percent=policy.fill_target_percent,
-        live_gpus=aggregator.workers.live_count(),
+        live_gpus=live_gpus,
         deadline_ms=policy.deadline_ms,
         mean_batch=recent.mean_batch(),
     )
@@ -182,9 +185,11 @@ def from_traffic(
 def observed(
     client: redis.Redis, queue: str, policy: Policy, now: float | None = None
 ) -> Recommendation:
-    """The recommendation for the queue's last minute: three round trips to Redis."""
-    aggregator = BatchAggregator(client, queue, max_batch_size=policy.max_batch_size)
-    return from_traffic(recent_summary(client, queue, now), aggregator, policy)
+    """The recommendation for the queue's last minute: three or four round trips to Redis."""
+    keys = QueueKeys(queue)
+    recent = recent_summary(client, queue, now)
+    turn_ms = published_turn_ms(client, keys) if recent.mean_sampler_ms() is None else 0.0
+    return from_traffic(recent, policy, WorkerRegistry(client, keys).live_count(), turn_ms)
 
 
 def _plural(count: int, noun: str) -> str:

@@ -167,7 +167,8 @@ def build(
     )
     recent = recent_summary(client, queue, now)
     aggregator = BatchAggregator(client, queue, max_batch_size=policy.max_batch_size)
-    advice = from_traffic(recent, aggregator, policy)
+    turn_ms = aggregator.batch_log.published_turn_ms()
+    advice = from_traffic(recent, policy, aggregator.workers.live_count(), turn_ms)
     live = advice.live_gpus
     dashboard = Dashboard(queue, policy, now, recent, live, advice, saved_version=saved_version)
     dashboard.workers = _workers(aggregator, recent, now)
