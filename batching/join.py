@@ -105,7 +105,7 @@ def _learn(client: RedisCluster, error: Exception) -> None:
 
 def _send_packed(pool: redis.ConnectionPool, commands: list[tuple[str | int, ...]]) -> list[Any]:
     """A MULTI ... EXEC sent by hand on a pooled connection: redis-py's Pipeline spends several
-    times the Python on the same bytes (`python -m bench append_cost`)."""
+    times the Python on the same bytes (docs/benchmarks/redis-cost.md)."""
     # The pool hands out a connection Redis closed (restarted) only after reconnecting it.
     conn = pool.get_connection()
     try:

@@ -25,8 +25,7 @@ LANE_KEEP_TTLS = 10
 HOLD_DEADLINE_FRACTION = 0.25
 # ... and this many holds while a lower lane has a full batch that can take the turn whole: a
 # partial batch sealed then costs the GPU its empty places, and under overload the higher
-# lanes' partial batches were most of what it lost (`bench.tiers`, one session, 2026-11-24:
-# 94.3% of the limit served with 1.0, 96.2% with 1.4, enterprise's p99 216 then 241 ms of 300).
+# lanes' partial batches were most of what it lost (docs/benchmarks/tiers.md).
 HOLD_LATE_FACTOR = 1.4
 # A seal looks this far into a lane's closed batches for the oldest one whose newest item can
 # still be answered in time (the others' members time out at their deadline, without a call).

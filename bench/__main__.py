@@ -22,17 +22,11 @@ BENCHMARKS = (
     "openai_load",
     "overload",
     "soak",
-    "slowloris",
-    "tiers",
     "redis_cost",
-    "append_cost",
     "shard_ceiling",
-    "farm",
-    "burst",
     "routing",
     "streaming",
     "backfill",
-    "uploads",
     "profile_fit",
 )
 # Benchmarks whose measurements run on gevent: patched before anything else is imported.

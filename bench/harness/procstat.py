@@ -90,15 +90,3 @@ def metric_samples(port: int, family: str) -> list[tuple[str, float]]:
             name_labels, value = line.rsplit(" ", 1)
             samples.append((name_labels[len(family) :], float(value)))
     return samples
-
-
-def shed_counts(ports: list[int]) -> dict[str, float]:
-    """`sampling_shed_requests_total` by reason, summed over the web processes on `ports`
-    (/metrics): the 503s they refused before any Redis call (too many in flight, late); a 503
-    not counted here came from admission (the queue's predicted wait) or Redis away."""
-    counts: dict[str, float] = {}
-    for port in ports:
-        for labels, value in metric_samples(port, "sampling_shed_requests_total"):
-            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
-            counts[reason] = counts.get(reason, 0.0) + value
-    return counts

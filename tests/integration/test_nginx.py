@@ -18,13 +18,13 @@ import pytest
 from django.conf import settings
 
 from batching.policy import BOUNDS
-from bench.harness.proxy import CONFIG_DIR, Nginx, nginx_binary
-from bench.slowloris.fronts import Front, measure, measure_fronts
 from devstack.stack import Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request
 from tests.support.keys import create_key
+from tests.support.nginx_proxy import CONFIG_DIR, Nginx, nginx_binary
+from tests.support.slow_fronts import Front, measure, measure_fronts
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
@@ -186,9 +186,8 @@ def test_slow_clients_cost_nginx_not_gunicorn(stack: Stack, nginx: Nginx) -> Non
     or a fast 503 or a 504 where the machine cannot carry the load in time) within its
     deadline, and gunicorn holds only the requests in flight; straight to gunicorn they take
     its 2,000 connections, and requests fail or wait far past their deadline. How much the p99
-    moves is a figure for `python -m bench slowloris` (medians of repeated runs, in
-    docs/deployment/index.md),
-    not for one 10 s run on 2 shared cores, where the slow clients' own events compete for the
+    moves is a figure for the slow-client benchmark (docs/benchmarks/slowloris.md), not for one
+    10 s run on 2 shared cores, where the slow clients' own events compete for the
     CPU. The stack serves a second of the load in full before each measure: processes that
     earlier tests left exiting on the same cores, or the last measure's slow clients still
     closing, are not what this test measures."""

@@ -27,11 +27,11 @@ from batching.aggregator import BatchAggregator
 from batching.deltas import is_delta, parse_deltas
 from batching.generation import render_chat_plain
 from batching.policy import Policy
-from bench.harness.proxy import Nginx, nginx_binary
 from devstack.stack import Stack
 from operations import dashboard
 from tests.support.http import request
 from tests.support.ingress_nginx import IngressNginx
+from tests.support.nginx_proxy import Nginx, nginx_binary
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 from workers.turns import QUEUE_TIMES_EVERY_S

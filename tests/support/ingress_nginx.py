@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from bench.harness.proxy import Nginx
 from devstack.stack import ROOT
+from tests.support.nginx_proxy import Nginx
 
 K8S = ROOT / "deploy" / "k8s"
 INGRESS = K8S / "base" / "ingress.yaml"

@@ -8,9 +8,11 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from batching.problems import Problem
@@ -217,18 +219,49 @@ def test_every_make_target_the_documents_name_exists() -> None:
     assert named - targets == set()
 
 
+def _retired_benchmarks() -> dict[str, str]:
+    """The retired benchmarks' table in docs/benchmarks/index.md: each name and the last commit
+    that holds its script."""
+    text = (ROOT / "docs" / "benchmarks" / "index.md").read_text()
+    table = text.split("## Retired benchmarks", 1)[1]
+    return dict(re.findall(r"\| `(\w+)` \| `([0-9a-f]{7,40})` \|", table))
+
+
 def test_every_module_and_flag_the_documents_name_exists() -> None:
     commands = _commands_named()
-    assert "bench.farm" in commands  # the scan sees the benchmarks' commands
+    assert "bench.gap" in commands  # the scan sees the benchmarks' commands
+    retired = {f"bench.{name}" for name in _retired_benchmarks()}
     wrong = {}
     for module, flags in commands.items():
         if module in ("pytest", "gunicorn", "pip") or module.startswith("django."):
             continue  # third-party commands
+        if module in retired:
+            continue  # its script is at the commit the retired table names (checked below)
         source = _module_sources(module)
         unknown = {flag for flag in flags - {"--help"} if f'"{flag}"' not in source}
         if unknown:
             wrong[module] = unknown
     assert wrong == {}
+
+
+def test_each_retired_benchmark_is_gone_and_its_commit_holds_its_script() -> None:
+    retired = _retired_benchmarks()
+    assert "farm" in retired  # the table is read
+    shallow = subprocess.run(
+        ["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    if shallow != "false":
+        pytest.skip(f"the checkout's history is needed (git says shallow: {shallow!r})")
+    missing = {}
+    for name, commit in retired.items():
+        assert importlib.util.find_spec(f"bench.{name}") is None, name
+        listing = subprocess.run(
+            ["git", "ls-tree", "--name-only", commit, "bench/"], cwd=ROOT, capture_output=True,
+            text=True,
+        ).stdout.split()  # fmt: skip
+        if f"bench/{name}.py" not in listing and f"bench/{name}" not in listing:
+            missing[name] = commit
+    assert missing == {}
 
 
 # Pages that report a measurement: their command, machine and date lines name commits and

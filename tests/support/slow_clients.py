@@ -1,5 +1,5 @@
 """The slow clients: connections that send a request's head a line at a time, never finishing
-it, run in a process of their own (`python -m bench slowloris --hold HOST PORT COUNT`)."""
+it, run in a process of their own (`python -m tests.support.slow_clients HOST PORT COUNT`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from bench.harness.stack import ROOT
+from devstack.stack import ROOT
 
 LINE_EVERY_S = 2.0
 HEAD = b"POST /sample HTTP/1.1\r\nHost: localhost\r\nContent-Type: text/plain\r\n"
@@ -70,7 +70,7 @@ class SlowClients:
     @contextlib.contextmanager
     def held(self, settle_s: float = 3.0) -> Iterator[SlowClients]:
         process = subprocess.Popen(
-            [sys.executable, "-m", "bench", "slowloris", "--hold", self.host, str(self.port),
+            [sys.executable, "-m", "tests.support.slow_clients", self.host, str(self.port),
              str(self.count)],
             stdout=subprocess.PIPE, text=True, cwd=ROOT,
         )  # fmt: skip
@@ -89,3 +89,8 @@ class SlowClients:
         finally:
             process.kill()
             process.wait()
+
+
+if __name__ == "__main__":
+    host, port, count = sys.argv[1:4]
+    asyncio.run(hold(host, int(port), int(count)))

@@ -1,26 +1,22 @@
 """/sample measured through each front (nginx, gunicorn), without and with slow clients held
-against it (bench.slowloris)."""
+against it: a slow client sends a request's head a line every 2 s and never finishes it."""
 
 from __future__ import annotations
 
 import contextlib
 import random
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from batching.outcomes import RequestOutcome
 from bench.harness import loadgen
 from bench.harness.procstat import accepted_connections
-from bench.harness.stack import Stack, new_queue, simulated_env, simulated_stack
-from bench.slowloris.slow_clients import SlowClients
+from tests.support.slow_clients import SlowClients
 from workers.samplers.simulated import expected_completion
 
-CALL_MS = 100
 RATE_RPS = 100
 CLIENT_TIMEOUT_S = 3.0
 
@@ -82,11 +78,3 @@ def measure_fronts(
                      "gunicorn connections": gunicorn_held[0], **figures})  # fmt: skip
         time.sleep(2.0)  # the slow connections' sockets closed before the next front
     return rows
-
-
-def slowloris_stack(redis_url: str) -> Stack:
-    queue = new_queue("bench-slowloris")
-    env = simulated_env(redis_url, queue, call_ms=CALL_MS, max_batch=100, deadline_ms=500)
-    # gunicorn's own defaults for one process: 2,000 connections.
-    log_dir = Path(tempfile.mkdtemp(prefix=f"{queue}-"))
-    return simulated_stack(env, [0], web_processes=1, log_dir=log_dir)
