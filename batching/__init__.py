@@ -1,7 +1,8 @@
-"""The batching core, shared by the web processes and the GPU workers. Django-free.
+"""The batch protocol, shared by the web processes and the GPU workers. Django-free.
 
-It knows Redis, Celery's result backend and plain values, never Django or a model:
-- keys: every Redis key of a queue (QueueKeys);
+It knows Redis, Celery's result backend and plain values, never Django, a model, an API key
+or a statistic (accounts/ and telemetry/ build on it):
+- keys: every Redis key of a queue (QueueKeys); installed_names: the names that cannot change;
 - outcomes: what happened to an item of a batch, and to a request (StrEnums);
 - policy: the live policy of a queue, its bounds and defaults, and the watcher;
 - admission: the one formula that refuses a request that cannot meet its deadline;
@@ -10,8 +11,7 @@ It knows Redis, Celery's result backend and plain values, never Django or a mode
   scripts, with the seal's constants in lanes;
 - items: an item's wire format (one codec), a request's ticket, a sealed batch;
 - join: a request's one round trip; clock: each Redis node's time, seen from a process;
-- registry: a queue's live workers; batch_log: its last batches and turn time;
-- stats: request and batch counters in Redis time buckets;
+- registry: a queue's live workers;
 - results: one pub/sub listener per process behind `AsyncResult.get(timeout=...)`;
 - protocol: what web processes and workers exchange through Celery (the task's name).
 """

@@ -55,16 +55,14 @@ import redis
 
 from batching import scripts
 from batching.admission import AdmissionInputs
-from batching.batch_log import BatchLog
 from batching.clock import RedisClock
 from batching.generation import SampleRequest
 from batching.items import BatchIds, Joined, SealedBatch, Ticket, item_of
-from batching.join import ItemsCall, join, join_items
+from batching.join import AppendCounter, ItemsCall, join, join_items
 from batching.keys import LaneKeys, QueueKeys, ShardKeys, shard_tags, tag_of
 from batching.lanes import HOLD_DEADLINE_FRACTION, SCRIPT_CONSTANTS
 from batching.policy import MAX_BATCH_SIZE, Policy
-from batching.ratelimit import RateCounter
-from batching.registry import HEARTBEAT_TIMEOUT_MS, WorkerRegistry
+from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.topology import REDIS_FAULTS, is_cluster
 
 log = logging.getLogger(__name__)
@@ -107,7 +105,8 @@ def _clock_arg(now_ms: int | None) -> list[int]:
 class BatchAggregator:
     """A queue's aggregator: `shards` open batches (one by default), each on its own hash tag.
     A web process spreads its requests over them in turn; a worker seals a batch on the shard
-    its id names. Its queue's workers (`workers`) and batch log (`batch_log`) come with it."""
+    its id names. The queue's live workers (batching.registry) and its batch log
+    (telemetry.batch_log) are read and written beside it, not through it."""
 
     def __init__(
         self,
@@ -133,8 +132,6 @@ class BatchAggregator:
         self._monotonic = monotonic
         self._cluster = is_cluster(client)
         self.clock = RedisClock(client, monotonic)
-        self.workers = WorkerRegistry(client, self.keys)
-        self.batch_log = BatchLog(client, queue, batch_ttl_ms(deadline_ms))
         self.configure(max_batch_size=max_batch_size, deadline_ms=deadline_ms)
         self._scripts = {name: scripts.register(client, name, SCRIPT_CONSTANTS) for name in SCRIPTS}
 
@@ -144,7 +141,7 @@ class BatchAggregator:
             raise ValueError(f"max_batch_size must be 1..{MAX_BATCH_SIZE}, got {max_batch_size}")
         self.max_batch_size = max_batch_size
         self.deadline_ms = deadline_ms
-        self.ttl_ms = self.batch_log.ttl_ms = batch_ttl_ms(deadline_ms)
+        self.ttl_ms = batch_ttl_ms(deadline_ms)
         self.hold_ms = round(deadline_ms * HOLD_DEADLINE_FRACTION)
 
     @property
@@ -156,7 +153,7 @@ class BatchAggregator:
     def load_scripts(self) -> None:
         """Load the Lua scripts into Redis now rather than on a request's first NOSCRIPT (on
         every master of a cluster)."""
-        for script in [self.clock.script, self.workers.script, *self._scripts.values()]:
+        for script in [self.clock.script, *self._scripts.values()]:
             self.client.script_load(script.script)
 
     def shard_of(self, batch_id: str) -> ShardKeys:
@@ -180,7 +177,7 @@ class BatchAggregator:
         shard: int | None = None,
         *,
         key_id: int = 0,
-        counter: RateCounter | None = None,
+        counter: AppendCounter | None = None,
         lane: int = 0,
         now_ms: int | None = None,
         stream: bool = False,
@@ -245,7 +242,7 @@ class BatchAggregator:
         shard: int | None = None,
         *,
         key_id: int = 0,
-        counter: RateCounter | None = None,
+        counter: AppendCounter | None = None,
         cost: int = 1,
         limit: int = 0,
         version: int = 0,

@@ -1,7 +1,8 @@
 """A request's one Redis round trip into its lane's open batch: a MULTI of plain commands (a
 Lua call costs a Redis core several times more), SET NX GET of the open pointer (the batch
 joined, or this request's new one), RPUSH of the item, now and then HGET of the admission
-figure, and the INCR of a rate counter. Sent by hand on a pooled connection: of the server,
+figure, and the INCR of a caller's counter (AppendCounter: a key's request count, for its rate
+limit, which this module does not know). Sent by hand on a pooled connection: of the server,
 or on a cluster of the master its slot's table names (again on the new one after a MOVED).
 A request of several items, one the response cache may answer, or one near its key's request
 limit joins by one script call instead (`join_items`)."""
@@ -17,7 +18,16 @@ from redis.cluster import RedisCluster
 from redis.exceptions import MaxConnectionsError, MovedError
 
 from batching.keys import LaneKeys, ShardKeys
-from batching.ratelimit import RateCounter
+
+
+@dataclass(frozen=True)
+class AppendCounter:
+    """A counter of the caller's that the append raises (INCR) in its one round trip, and
+    whose new value it returns: the request path counts a key's requests for its rate limit
+    (accounts.ratelimit) at no extra Redis call. `expire_ms` also sets its expiry."""
+
+    key: str
+    expire_ms: int = 0
 
 
 def join(
@@ -28,7 +38,7 @@ def join(
     item: str,
     ttl_ms: int,
     read_admission: bool,
-    counter: RateCounter | None,
+    counter: AppendCounter | None,
 ) -> list[Any]:
     """The append's MULTI: [the open pointer before (None: `pointer` set), the pending
     list's length, (the admission figure), (the rate counter after its raise)]."""
@@ -46,7 +56,7 @@ def _commands(
     item: str,
     ttl_ms: int,
     read_admission: bool,
-    counter: RateCounter | None,
+    counter: AppendCounter | None,
 ) -> list[tuple[str | int, ...]]:
     commands: list[tuple[str | int, ...]] = [
         ("MULTI",),
@@ -135,7 +145,7 @@ class ItemsCall:
     max_size: int
     ttl_ms: int
     read_admission: bool
-    counter: RateCounter | None
+    counter: AppendCounter | None
     cost: int
     limit: int
     version: int

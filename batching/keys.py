@@ -78,7 +78,7 @@ class QueueKeys:
     @cached_property
     def spend_prefix(self) -> str:
         """What each month's spend totals' key starts with (the flush script appends the
-        month): a hash of key id -> spend this month on this model (batching.flush)."""
+        month): a hash of key id -> spend this month on this model (telemetry.flush)."""
         return f"{self.tag}:spend:"
 
     def spend_of_month(self, month: str) -> str:
@@ -103,7 +103,7 @@ class QueueKeys:
 
     @cached_property
     def stats_applied(self) -> str:
-        """A hash: a writer's id -> the sequence of its last flush applied (batching/flush.py):
+        """A hash: a writer's id -> the sequence of its last flush applied (telemetry/flush.py):
         a flush sent again is not counted twice."""
         return f"{self.tag}:stats:applied"
 
@@ -172,7 +172,7 @@ class AccessKeys:
 
     @cached_property
     def digest(self) -> str:
-        """The SHA-256 of `records` as published (batching.access.digest_of_records), written
+        """The SHA-256 of `records` as published (accounts.access.digest_of_records), written
         in the same MULTI: what a process compares to tell a change, which a restarted
         counter cannot fake; absent when Redis lost the set (a restart with no data)."""
         return f"{self.prefix}:digest"
@@ -184,17 +184,17 @@ class AccessKeys:
 
     def tokens(self, window: int) -> str:
         """A hash: a key's id -> the tokens its requests reserved or used in rate window
-        `window` (minutes since the epoch): batching.ratelimit.Reservation."""
+        `window` (minutes since the epoch): accounts.ratelimit.Reservation."""
         return f"{self.prefix}:tpm:{window}"
 
     def spent_models(self, month: str) -> str:
         """A set: the models with spend in `month` (each writer of spend adds its own), so
-        that budgets sum a model's spend after it left the catalog too (batching.budgets)."""
+        that budgets sum a model's spend after it left the catalog too (accounts.budgets)."""
         return f"{self.prefix}:spent-models:{month}"
 
     def spend_holds(self, window: int) -> str:
         """A hash: `k:<key id>` (and `o:<owner>`) -> the billionths its requests in flight
-        hold against its monthly budget, held in window `window` (batching.budgets:
+        hold against its monthly budget, held in window `window` (accounts.budgets:
         HOLD_WINDOW_S)."""
         return f"{self.prefix}:spend-holds:{window}"
 

@@ -14,7 +14,8 @@ import dj_database_url
 import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
-from batching import call_cost, canary, ratelimit
+from accounts import ratelimit
+from batching import call_cost
 from batching.deltas import STREAM_INTERVAL_MS
 from batching.keys import MAX_SHARDS
 from batching.policy import BOUNDS, Policy
@@ -33,6 +34,7 @@ from config.env import (
     env_text,
     with_password,
 )
+from telemetry import canary
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -351,7 +353,7 @@ SAMPLING_RESPONSE_CACHE_SHARED = env_bool(
 # On: each item of a request (each of `n` choices, each prompt of a list) counts one against
 # its key's requests per minute; off (the default, as OpenAI counts): each request counts one.
 SAMPLING_RATE_LIMIT_PER_ITEM = env_bool("SAMPLING_RATE_LIMIT_PER_ITEM", ratelimit.COUNT_ITEMS)
-# Automatic canary rollback (operations.canary, batching.canary): an alias target marked as a
+# Automatic canary rollback (operations.canary, telemetry.canary): an alias target marked as a
 # canary is set to weight 0 when a sequential test finds its late or error rate above its
 # baseline's by more than SAMPLING_CANARY_MARGIN_PERCENT points. A canary as good as its
 # baseline is ever rolled back with probability SAMPLING_CANARY_FALSE_ROLLBACK_PERCENT at most.

@@ -4,7 +4,7 @@ exactly once, whatever kills the feeder on the way.
 `settle` writes answered lines in one transaction with the job's counts, its tokens, its
 spend at its frozen price (Job.prompt_price_nanos) and the same usage as "uncharged".
 `send_charge` then fixes the uncharged usage as the job's next charge (in the database), sends
-it to the key's statistics in Redis as one flush (batching.flush) under the job's own writer
+it to the key's statistics in Redis as one flush (telemetry.flush) under the job's own writer
 id and the charge's sequence, and marks it sent. A feeder killed (or stalled) anywhere on the
 way leaves the charge to be sent again, the same counts under the same sequence: Redis applies
 a writer's sequence once. So a line's usage and spend reach the key's statistics, its month's
@@ -23,10 +23,10 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from batching.catalog import Price
-from batching.flush import MONTH_TTL_S, Flusher
 from batching.keys import QueueKeys
-from batching.stats import COMPLETION_TOKENS, PROMPT_TOKENS, SPEND, usage_field
 from offline.models import Job, JobLine
+from telemetry.flush import MONTH_TTL_S, Flusher
+from telemetry.stats import COMPLETION_TOKENS, PROMPT_TOKENS, SPEND, usage_field
 
 # The writer id of a job's charges in the statistics' flush bookkeeping.
 WRITER_PREFIX = "job:"

@@ -158,7 +158,7 @@ class Feeder:
         timeout_ms = round(settings.SAMPLING_BACKFILL_TAKEN_TIMEOUT_S * 1000)
         lanes.requeue_stale(int(time.time() * 1000), timeout_ms)
         waiting, _ = lanes.depth()
-        live = model.aggregator.workers.live_count()
+        live = model.workers.live_count()
         room = max(0, AHEAD_CALLS * model.watcher.current.max_batch_size * max(1, live) - waiting)
         # The room dealt evenly to the keys with a job to feed, each key's jobs oldest first:
         # one tenant's long job cannot hold another's back until it is all fed.

@@ -14,7 +14,7 @@ lines are failed with the error the interactive API gives (401 `invalid_api_key`
 
 from __future__ import annotations
 
-from batching.access import Caller, Refusal
+from accounts.access import Caller, Refusal
 from batching.catalog import Price
 from batching.problems import Failure, Problem
 from offline import charges

@@ -22,7 +22,7 @@ from django.http import FileResponse, HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.utils import timezone
 
-from batching.access import Caller
+from accounts.access import Caller
 from batching.problems import Failure, Problem
 from offline.lines import ENDPOINTS, count_lines, storable
 from offline.models import Job, Purpose, Status, StoredFile

@@ -15,7 +15,8 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
-from batching import access, catalog
+from accounts import access
+from batching import catalog
 from batching.outcomes import RequestOutcome
 from batching.policy import POLL_INTERVAL_S
 from operations import usage

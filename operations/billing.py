@@ -2,7 +2,7 @@
 budgets (a key's own budget is a field of the key: operations.models.ApiKey).
 
 An owner is the keys' `owner` text, as operators write it: every key whose owner is exactly
-an OwnerBudget's shares that budget (batching.budgets), beside any budget of its own.
+an OwnerBudget's shares that budget (accounts.budgets), beside any budget of its own.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class OwnerBudget(models.Model):
 
 class UsageMinute(models.Model):
     """One minute of one API key's use of one model (queue): requests by outcome and tokens,
-    from the per-key fields of the statistics buckets (batching/stats.py), written with the
+    from the per-key fields of the statistics buckets (telemetry/stats.py), written with the
     minute's StatsMinute row and pruned with it. The key's tier is kept as it was then."""
 
     queue = models.CharField("model", max_length=64)

@@ -1,6 +1,6 @@
 """Canary trials, judged by the service itself: every 5 to 10 s (a background job of the web
 processes, one process at a time), each alias target marked as a canary that takes traffic
-has its trial brought up to date, one 10 s cluster at a time, by batching.canary's sequential
+has its trial brought up to date, one 10 s cluster at a time, by telemetry.canary's sequential
 test. A canary found worse is set to weight 0: the change is recorded in the registry's history
 with the figures that decided it, and published like any registry change (every web process
 stops sending it traffic within a second).
@@ -24,12 +24,12 @@ from django.conf import settings
 from django.db import close_old_connections, transaction
 from django.utils import timezone
 
-from batching import canary, stats
 from batching.keys import CANARY_LOCK_KEY, QueueKeys
 from batching.policy import Policy
 from batching.registry import WorkerRegistry
 from batching.topology import REDIS_FAULTS
 from operations.registry import AliasTarget, CanaryTrial, CatalogChange, record_change
+from telemetry import canary, stats
 
 log = logging.getLogger(__name__)
 

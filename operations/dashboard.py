@@ -13,18 +13,19 @@ from dataclasses import dataclass, field
 
 import redis
 
-from batching import stats
-from batching.aggregator import BatchAggregator
+from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
-from batching.recommendation import (
+from batching.registry import HEARTBEAT_TIMEOUT_MS, WorkerRegistry
+from operations import charts
+from telemetry import stats
+from telemetry.batch_log import published_turn_ms
+from telemetry.recommendation import (
     PEAK_WINDOW_S,
     Recommendation,
     from_traffic,
     recent_summary,
 )
-from batching.registry import HEARTBEAT_TIMEOUT_MS
-from operations import charts
 
 HOUR_S = 3600
 
@@ -166,12 +167,12 @@ def build(
         client, queue, stats.TEN_SECONDS, current_second - HOUR_S, current_second + 1
     )
     recent = recent_summary(client, queue, now)
-    aggregator = BatchAggregator(client, queue, max_batch_size=policy.max_batch_size)
-    turn_ms = aggregator.batch_log.published_turn_ms()
-    advice = from_traffic(recent, policy, aggregator.workers.live_count(), turn_ms)
+    registry = WorkerRegistry(client, QueueKeys(queue))
+    turn_ms = published_turn_ms(client, QueueKeys(queue))
+    advice = from_traffic(recent, policy, registry.live_count(), turn_ms)
     live = advice.live_gpus
     dashboard = Dashboard(queue, policy, now, recent, live, advice, saved_version=saved_version)
-    dashboard.workers = _workers(aggregator, recent, now)
+    dashboard.workers = _workers(registry, recent, now)
     dashboard.charts = _charts(hour, policy, now)
     dashboard.tiers = _tiers(recent, tier_order)
     return dashboard
@@ -185,12 +186,12 @@ def _tiers(recent: stats.Summary, tier_order: Sequence[str]) -> list[TierRow]:
 
 
 def _workers(
-    aggregator: BatchAggregator,
+    registry: WorkerRegistry,
     recent: stats.Summary,
     now: float,
 ) -> list[WorkerRow]:
     rows = []
-    for name, info in aggregator.workers.infos(now - stats.KNOWN_WORKERS_S):
+    for name, info in registry.infos(now - stats.KNOWN_WORKERS_S):
         heartbeat_at = info.get("heartbeat_at")
         age = now - heartbeat_at if heartbeat_at else None
         state = info.get("state", "silent")

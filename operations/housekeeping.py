@@ -4,7 +4,7 @@ sampling.runtime, registered by operations.apps).
 1. The policy in Redis follows the database: republished when Redis lost it (a restart) or
    missed a save (Redis was down at the time).
 2. The API keys and tiers in Redis follow the database the same way (a web process's key
-   watcher republishes a lost set the moment it notices, batching.access; this catches a
+   watcher republishes a lost set the moment it notices, accounts.access; this catches a
    save that could not publish, and a set without its digest); so does the model registry's
    catalog (operations.registry).
 3. Completed minutes of statistics go from Redis to StatsMinute rows, the per-key usage in
@@ -24,7 +24,7 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
-from batching import access
+from accounts import access
 from batching import catalog as live_catalog
 from batching import policy as live_policy
 from batching.keys import QueueKeys

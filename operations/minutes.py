@@ -3,7 +3,7 @@ usage in them to UsageMinute rows. Run by housekeeping (operations.housekeeping)
 at a time under a Redis lock; idempotent whatever runs it again or dies half-way.
 
 - Minutes are Redis's: the web processes' flushes are put in the node's time
-  (batching/flush.py), and the newest minute that has ended is taken by the node's clock.
+  (telemetry/flush.py), and the newest minute that has ended is taken by the node's clock.
 - A minute taken moves the persisted-minute marker and is marked dirty in one step
   (batching/lua/advance_persisted.lua); a flush that lands in a minute at or before the marker
   marks it dirty again (batching/lua/flush_stats.lua). Every dirty minute is written with its
@@ -16,7 +16,7 @@ at a time under a Redis lock; idempotent whatever runs it again or dies half-way
   (spend included), and replacing the rows from them loses nothing already persisted.
 - When the stats epoch (QueueKeys.stats_epoch, never expiring, written whenever the marker is
   there) is missing with the marker, Redis lost its data: the month's spend totals that
-  budgets read (batching.budgets) get each key's spend of the month's persisted rows added
+  budgets read (accounts.budgets) get each key's spend of the month's persisted rows added
   back, in one step with the epoch, before any minute after the loss is written. (A Redis
   whose marker expired, its housekeeping stopped for two hours, while it was upgraded to a
   version that keeps the epoch, would count its month twice: the upgrade notes say so.)
@@ -34,10 +34,11 @@ import redis
 from django.db import transaction
 from django.db.models import Sum
 
-from batching import flush as flushing
-from batching import scripts, stats
+from batching import scripts
 from batching.keys import QueueKeys
 from operations.models import ApiKey, StatsMinute, UsageMinute
+from telemetry import flush as flushing
+from telemetry import stats
 
 # A minute is taken once it ended this long ago (web processes flush once a second; a later
 # count still reaches it, by the dirty mark).

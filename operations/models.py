@@ -5,7 +5,7 @@ None of these is read on the request path. A saved policy is published to Redis 
 batching/policy.py), from where every web process and worker picks it up within a second;
 per-minute statistics are written by one web process at a time, off the request path (see
 operations/housekeeping.py). Keys and tiers are published to Redis the same way as the policy
-(batching/access.py).
+(accounts/access.py).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from django.db import close_old_connections, models, transaction
 from django.db.models import Max
 from django.db.models.signals import post_delete, post_save
 
-from batching import access
+from accounts import access
+from accounts.budgets import budget_nanos
 from batching import policy as live_policy
-from batching.budgets import budget_nanos
 from batching.policy import MAX_BATCH_SIZE
-from batching.stats import Summary
 from batching.topology import REDIS_FAULTS
 from sampling.redis_client import redis_client
+from telemetry.stats import Summary
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class PolicyChange(models.Model):
 
 
 class StatsMinute(models.Model):
-    """One minute of one queue's counters (batching/stats.py), for history; rows are deleted
+    """One minute of one queue's counters (telemetry/stats.py), for history; rows are deleted
     after SAMPLING_STATS_RETENTION_DAYS."""
 
     queue = models.CharField(max_length=64)

@@ -21,8 +21,7 @@ import redis
 from django.db.models import QuerySet, Sum
 from django.http import HttpRequest, HttpResponse
 
-from batching import stats
-from batching.access import Caller
+from accounts.access import Caller
 from batching.catalog import nanos_as_decimal
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
@@ -32,6 +31,7 @@ from operations.models import ApiKey, UsageMinute, known_queues
 from sampling.redis_client import redis_client
 from sampling.responses import Invalid, json_response
 from sampling.wrappers import openai_endpoint
+from telemetry import stats
 
 
 @dataclass

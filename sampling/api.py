@@ -21,13 +21,12 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from batching.access import Caller
+from accounts.access import Caller
 from batching.generation import SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
 from batching.problems import Failure
 from batching.registry import HEARTBEAT_TIMEOUT_MS
-from batching.stats import DEPARTED_STATES
 from batching.topology import REDIS_FAULTS
 from sampling import schemas
 from sampling.completions import completion_response
@@ -62,6 +61,7 @@ from sampling.wrappers import (
     submitted,
     unrouted,
 )
+from telemetry.stats import DEPARTED_STATES
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def _live_workers(process: WebProcess, name: str, now: float) -> tuple[int, set[
     samplers: set[str] = set()
     live = 0
     try:
-        infos = process.model(name).aggregator.workers.infos(now - MODEL_WORKERS_S - 1)
+        infos = process.model(name).workers.infos(now - MODEL_WORKERS_S - 1)
     except REDIS_FAULTS as exc:
         log.warning("cannot read the workers' heartbeats: %s", exc)
         infos = []

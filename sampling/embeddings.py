@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from django.http import HttpRequest
 
-from batching.access import Caller
+from accounts.access import Caller
 from batching.catalog import EMBEDDER
 from batching.embeddings import decode
 from batching.generation import SampleRequest

@@ -3,7 +3,7 @@
 - Web processes count requests in prometheus_client's multiprocess mode: gunicorn sets
   PROMETHEUS_MULTIPROC_DIR before its workers start (inference_site/gunicorn.conf.py), each
   process writes its own file, and /metrics sums them, so any process's answer covers all.
-- The GPU-count recommendation of the queue (batching.recommendation), computed at each scrape
+- The GPU-count recommendation of the queue (telemetry.recommendation), computed at each scrape
   from the last minute in Redis: `sampling_gpus_recommended` and `sampling_gpus_live`, the
   signal an autoscaler scales the workers on (deploy/k8s/). Every web node answers the same.
 - Workers run on other machines: each one publishes its own metrics (workers/metrics.py) to
@@ -27,10 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
-from batching.recommendation import observed
 from batching.registry import HEARTBEAT_TIMEOUT_MS
-from batching.stats import KNOWN_WORKERS_S
 from batching.topology import REDIS_FAULTS
+from telemetry.recommendation import observed
+from telemetry.stats import KNOWN_WORKERS_S
 
 LATENCY_BUCKETS_S = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75,

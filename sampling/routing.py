@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from django.conf import settings
 
-from batching.access import Caller
+from accounts.access import Caller
 from batching.catalog import EMBEDDER, GENERATOR, ModelEntry
 from batching.problems import Failure, Problem
 from batching.registry import HEARTBEAT_TIMEOUT_MS

@@ -17,17 +17,18 @@ from dataclasses import dataclass, field
 import redis
 from django.conf import settings
 
-from batching.access import AccessWatcher
+from accounts.access import AccessWatcher
+from accounts.budgets import Budgets
+from accounts.ratelimit import RateLimiter
 from batching.aggregator import BatchAggregator
-from batching.budgets import Budgets
 from batching.catalog import POLL_INTERVAL_S, CatalogWatcher, base_catalog
 from batching.loop import PeriodicLoop
 from batching.policy import Policy, PolicyWatcher, policy_from_settings
-from batching.ratelimit import RateLimiter
-from batching.stats import RequestStats
+from batching.registry import WorkerRegistry
 from batching.topology import REDIS_FAULTS
 from sampling.redis_client import redis_client
 from sampling.shedding import ADAPT_WINDOW_S, QuickestAnswers, Shedder
+from telemetry.stats import RequestStats
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class ServedModel:
     budgets: Budgets | None = None  # its web process's (sampling.submission: budget holds)
 
     def __post_init__(self) -> None:
+        self.workers = WorkerRegistry(self.client, self.aggregator.keys)
         self.loop = PeriodicLoop(
             "model-watcher",
             self.refresh,
@@ -93,7 +95,7 @@ class ServedModel:
 
     def read_live_workers(self) -> int:
         """How many workers of this model are live now (one round trip), kept."""
-        self.live_workers = self.aggregator.workers.live_count()
+        self.live_workers = self.workers.live_count()
         self.live_read_at = time.monotonic()
         return self.live_workers
 

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 from celery import states
 from django.http import HttpRequest, StreamingHttpResponse
 
-from batching.access import Caller
+from accounts.access import Caller
 from batching.answers import Answer
 from batching.catalog import Price
 from batching.deltas import Feed

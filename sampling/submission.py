@@ -21,25 +21,26 @@ import redis
 from celery.backends.redis import RedisBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 
+from accounts.access import Caller
+from accounts.budgets import KEY_HELD, OWNER_HELD, Budgets, SpendHold, most_cost
+from accounts.ratelimit import Limited, RateLimiter, Reservation
 from batching import cache
-from batching.access import Caller
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer, to_wire
-from batching.budgets import KEY_HELD, OWNER_HELD, Budgets, SpendHold, most_cost
 from batching.catalog import Price
 from batching.generation import SampleRequest
 from batching.items import Joined, Ticket
+from batching.join import AppendCounter
 from batching.outcomes import ItemOutcome
 from batching.policy import PolicyWatcher
 from batching.problems import Failure, Problem
 from batching.protocol import RUN_BATCH_TASK, task_priority
-from batching.ratelimit import Limited, RateCounter, RateLimiter, Reservation
 from batching.result_store import queue_result
-from batching.stats import RequestStats
 from batching.topology import REDIS_FAULTS
 from sampling import metrics
 from sampling.broker import app as celery_app
 from sampling.shedding import JOINED_AT, QuickestAnswers
+from telemetry.stats import RequestStats
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def unavailable(message: str = QUEUE_UNAVAILABLE) -> Failure:
 
 
 class Tokens(NamedTuple):
-    """A 200 answer's usage, what its key is charged for (batching/stats.py): prompt tokens
+    """A 200 answer's usage, what its key is charged for (telemetry/stats.py): prompt tokens
     once per prompt, completion tokens of every choice, and of the prompt tokens, those of
     prompts answered from the response cache."""
 
@@ -201,7 +202,7 @@ def enter(
 ) -> Entered | Failure:
     """The request's items joined to their batches, or why it cannot be. The items of a
     caller with a request limit join its key's shard, and the call raises its counter
-    (batching.ratelimit). A caller with a tokens limit reserves `reserve` tokens first (by
+    (accounts.ratelimit). A caller with a tokens limit reserves `reserve` tokens first (by
     default every item's max tokens; given, the request is an embedding's: its input's
     bound). A caller with a budget holds the most the request may cost at `price` (None: an
     anonymous endpoint's, nothing). With the response cache on, an item whose output its
@@ -341,13 +342,15 @@ def _join(
     """Each item (with its cache digest) appended to its shard's open batch in one call, the
     batches it opened dispatched; or why the request is refused. A lone item of a caller far
     from its request limit joins by the plain MULTI, every other request by one script call
-    (batching.ratelimit)."""
+    (accounts.ratelimit)."""
     aggregator, limiter = process.aggregator, process.limiter
     shard = aggregator.shard_of_key(caller.key_id) if caller.rpm else None
     now_s = time.time()
     cost = limiter.cost(caller, len(items))
     counter_key = limiter.counter(caller, aggregator.shards[shard or 0], now_s)
-    counter = RateCounter(counter_key, limiter.needs_expiry(caller, now_s)) if counter_key else None
+    counter = (
+        AppendCounter(counter_key, limiter.needs_expiry(caller, now_s)) if counter_key else None
+    )
     budget_ms = int((deadline - time.monotonic()) * 1000)
     try:
         if len(items) == 1 and not items[0][0] and not limiter.near(caller, cost, now_s):

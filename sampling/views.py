@@ -15,7 +15,7 @@ import logging
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from batching.access import Caller
+from accounts.access import Caller
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure
 from batching.topology import REDIS_FAULTS

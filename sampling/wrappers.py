@@ -26,7 +26,7 @@ from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
-from batching.access import Caller
+from accounts.access import Caller
 from batching.generation import SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem

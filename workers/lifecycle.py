@@ -24,16 +24,17 @@ from celery import current_app, signals
 from celery.backends.redis import RedisBackend
 from django.conf import settings
 
-from batching import stats, topology
+from batching import topology
 from batching.admission import AdmissionInputs
 from batching.aggregator import HANDOVER_SCAN_MS, BatchAggregator
 from batching.call_cost import load_profile
 from batching.loop import PeriodicLoop
 from batching.policy import PolicyWatcher, policy_from_settings
 from batching.protocol import RUN_BATCH_TASK, UNKNOWN_LANE, task_priority
-from batching.registry import HEARTBEAT_TIMEOUT_MS
+from batching.registry import HEARTBEAT_TIMEOUT_MS, WorkerRegistry
 from batching.result_store import queue_result
 from batching.topology import REDIS_FAULTS
+from telemetry import stats
 from workers.pipeline import BatchPipeline
 from workers.runner import BatchRunner
 from workers.samplers import load_sampler
@@ -146,7 +147,7 @@ class NameClaim:
     exits at once, without the goodbye that would remove the other's heartbeat."""
 
     def __init__(self, aggregator: BatchAggregator, worker: str) -> None:
-        self.registry = aggregator.workers
+        self.registry = WorkerRegistry(aggregator.client, aggregator.keys)
         self.worker = worker
         self.token = f"{socket.gethostname()} pid {os.getpid()} {secrets.token_hex(4)}"
         self.loop = PeriodicLoop(
@@ -343,7 +344,7 @@ class SamplingWorker:
         figures: two round trips, and one per shard (and one more on a cluster)."""
         runner, aggregator = self.runner, self.aggregator
         now = time.time()
-        runner.live_workers = max(1, aggregator.workers.heartbeat(runner.worker))
+        runner.live_workers = max(1, runner.workers.heartbeat(runner.worker))
         self.handover.interval_s = handover_scan_interval_s(runner.live_workers)
         info = worker_info(runner, now)
         # The policy version on every shard before the info reports it: the response cache
@@ -367,7 +368,7 @@ class SamplingWorker:
             counts.update(stats.alive_counts(runner.worker))
             stats.add_counts(pipe, aggregator.queue, now, counts)
             runner.metrics.publish(pipe, aggregator.queue, now)
-            aggregator.batch_log.queue_turn_ms(pipe, runner.turn_ms)
+            runner.batch_log.queue_turn_ms(pipe, runner.turn_ms, aggregator.ttl_ms)
             for keys in aggregator.shards:  # offline jobs' items waiting (batching.backfill)
                 pipe.llen(keys.backfill)
             replies = pipe.execute()
@@ -450,7 +451,7 @@ def say_goodbye(runner: BatchRunner, state: str = "stopped") -> None:
     aggregator = runner.aggregator
     info_key = aggregator.keys.worker_info(runner.worker)
     try:
-        aggregator.workers.forget(runner.worker)
+        runner.workers.forget(runner.worker)
         raw = aggregator.client.get(info_key)
         if raw:
             info = {**json.loads(raw), "state": state, "heartbeat_at": time.time()}

@@ -18,7 +18,7 @@ from prometheus_client import (
 )
 
 from batching.keys import QueueKeys
-from batching.stats import KNOWN_WORKERS_S
+from telemetry.stats import KNOWN_WORKERS_S
 
 # Series of a worker that stopped publishing are dropped after this long.
 WORKER_METRICS_TTL_S = 120

@@ -17,7 +17,7 @@ from dataclasses import asdict, replace
 
 import redis
 
-from batching import backfill, cache, stats
+from batching import backfill, cache
 from batching.admission import AdmissionInputs
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer
@@ -28,6 +28,9 @@ from batching.items import Item
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
 from batching.protocol import BACKFILL_TURN, UNKNOWN_LANE
+from batching.registry import WorkerRegistry
+from telemetry import stats
+from telemetry.batch_log import BatchLog
 from workers.call_costs import ESTIMATE_WEIGHT, CallCosts
 from workers.deltas import DeltaPublisher
 from workers.metrics import WorkerMetrics
@@ -58,6 +61,8 @@ class BatchRunner:
         metrics: WorkerMetrics | None = None,
     ) -> None:
         self.aggregator = aggregator
+        self.workers = WorkerRegistry(aggregator.client, aggregator.keys)
+        self.batch_log = BatchLog(aggregator.client, aggregator.queue)
         self.sampler = sampler
         self.worker = worker
         # The live policy (a PolicyWatcher's current one in a worker); by default the
@@ -132,7 +137,7 @@ class BatchRunner:
     def warm_up(self) -> None:
         self.apply_policy()
         self.estimate_ms = self.turn_ms = self.sampler.warm_up()
-        self.aggregator.batch_log.publish_turn_ms(self.turn_ms)
+        self.batch_log.publish_turn_ms(self.turn_ms, self.aggregator.ttl_ms)
         self.aggregator.refresh_admission(self.admission_inputs())
         log.info("sampler %s warmed up: %.1f ms per call", self.sampler.name, self.estimate_ms)
 
@@ -473,14 +478,14 @@ class BatchRunner:
         if pipe is not None:
             backfill.queue_give_back(pipe, keys, turn.backfill_returned)
             backfill.queue_answers(pipe, keys, *backfilled)
-            self.aggregator.batch_log.queue_record(pipe, json.dumps(record), statistics, at_s)
+            self.batch_log.queue_record(pipe, json.dumps(record), statistics, at_s)
             self.aggregator.queue_cached_answers(pipe, cached, cache_ttl_ms)
             return
         try:
             with self.aggregator.client.pipeline(transaction=False) as own:
                 backfill.queue_give_back(own, keys, turn.backfill_returned)
                 backfill.queue_answers(own, keys, *backfilled)
-                self.aggregator.batch_log.queue_record(own, json.dumps(record), statistics, at_s)
+                self.batch_log.queue_record(own, json.dumps(record), statistics, at_s)
                 self.aggregator.queue_cached_answers(own, cached, cache_ttl_ms)
                 own.execute()
         except Exception:  # a lost record must never lose the batch's answers

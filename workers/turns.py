@@ -7,13 +7,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from batching import stats
 from batching.answers import Answer, WireAnswer, to_wire
 from batching.backfill import BackfillItem
 from batching.generation import Completion
 from batching.items import Item, SealedBatch
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
+from telemetry import stats
 from workers.samplers.base import PromptRejected, RowFailed
 
 # One item's answer as it leaves the worker (batching.answers: the wire format).
@@ -62,7 +62,7 @@ class Turn:
     # API key id (0: anonymous) -> (prompt tokens, completion tokens) of its items sampled:
     # the queue's sampled tokens (statistics), and the completion tokens charged to the keys'
     # token rate windows, when the turn is reported. A key's usage (billing) is what its 200
-    # answers delivered, counted by the web processes (batching/stats.py).
+    # answers delivered, counted by the web processes (telemetry/stats.py).
     tokens_by_key: dict[int, tuple[int, int]] = field(default_factory=dict)
     # The policy as the sampler ran it (its generation settings, should it have refused the
     # policy's): the response cache stores the turn's answers under its digest.

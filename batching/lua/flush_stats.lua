@@ -1,4 +1,4 @@
--- A flush of statistics counts into their time buckets, applied once (batching/flush.py):
+-- A flush of statistics counts into their time buckets, applied once (telemetry/flush.py):
 -- a flush sent again (same writer, a sequence not above the last one applied) changes
 -- nothing. Seconds come by the writer's clock; they are moved by the writer's offset to this
 -- node's clock (whole seconds), so every process counts by the node's time. A count that

@@ -1,9 +1,9 @@
 -- A request of a key with a monthly budget (its own or its owner's) holds, at admission, the
--- most it may cost (batching.budgets.Budgets.hold): refused while what the key's requests
+-- most it may cost (accounts.budgets.Budgets.hold): refused while what the key's requests
 -- hold already reaches what is left of the budget, else added to it. Its hold is settled to
 -- what it spent once answered, and released once that spend is in the month's totals every
 -- process reads: requests in flight cannot overrun a budget by more than one request's hold.
--- Holds count in windows longer than any request (batching.budgets.HOLD_WINDOW_S); a
+-- Holds count in windows longer than any request (accounts.budgets.HOLD_WINDOW_S); a
 -- request's hold lives in the window it was made in, and the last two windows are read (a
 -- hold never settled lapses with its window).
 -- KEYS[1]: this window's holds, KEYS[2]: the previous window's (hashes: field -> billionths)

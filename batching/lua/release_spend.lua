@@ -1,4 +1,4 @@
--- A request's budget hold lowered (batching.budgets.SpendHold): by what its answer did not
+-- A request's budget hold lowered (accounts.budgets.SpendHold): by what its answer did not
 -- spend once answered, by the rest once its spend is in the month's totals. Only while the
 -- window's holds are still there (lapsed, or lost with Redis's data: nothing to release, and
 -- no hash left without a TTL); never below 0.

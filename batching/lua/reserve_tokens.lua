@@ -1,5 +1,5 @@
 -- A request of a key with a tokens-per-minute limit reserves, at admission, the most tokens
--- it may use (batching.ratelimit.RateLimiter.reserve): refused while the key's tokens in the
+-- it may use (accounts.ratelimit.RateLimiter.reserve): refused while the key's tokens in the
 -- window already reached its limit, else added to them. It settles the difference once it
 -- has answered (Reservation.settle), so requests in flight cannot overrun the limit by more
 -- than one request's reservation.

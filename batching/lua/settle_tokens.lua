@@ -1,4 +1,4 @@
--- A request's tokens reservation settled to what it used (batching.ratelimit.Reservation):
+-- A request's tokens reservation settled to what it used (accounts.ratelimit.Reservation):
 -- the difference added to its key's tokens in the window it reserved in, never below 0, and
 -- only while that window's count is still there (expired, or lost with Redis's data: nothing
 -- to settle, and no key left without a TTL).

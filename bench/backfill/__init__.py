@@ -37,8 +37,6 @@ import redis
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from batching.aggregator import BatchAggregator
-from batching.batch_log import BatchLog
 from batching.call_cost import CONTRACT
 from batching.outcomes import RequestOutcome
 from bench.backfill import report
@@ -49,6 +47,7 @@ from bench.harness.stack import make_api_keys, new_queue, simulated_env, simulat
 from bench.harness.trees import in_turn
 from devstack.embedded_redis import EmbeddedRedis
 from devstack.stack import Stack
+from telemetry.batch_log import BatchLog
 from workers.launch import local_gpu_count
 from workers.lifecycle import HEARTBEAT_INTERVAL_S
 
@@ -173,7 +172,7 @@ def main(args: argparse.Namespace) -> None:
     try:
         stack.start(timeout_s=300)
         key = make_api_keys(stack, {"bench-backfill": []})["bench-backfill"]
-        records = BatchAggregator(redis.Redis.from_url(server.url), env["SAMPLING_QUEUE"]).batch_log
+        records = BatchLog(redis.Redis.from_url(server.url), env["SAMPLING_QUEUE"])
         client = OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0,
                         timeout=120)  # fmt: skip
         for round_index in range(args.rounds):

@@ -10,9 +10,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from batching.batch_log import BatchLog
 from bench.harness.report import markdown_table
 from bench.harness.stats import gaps_between_calls_ms, median
+from telemetry.batch_log import BatchLog
 
 FILLED = ("interactive", "backfill", "empty")
 ALONE, JOB, AGAIN = "alone", "job", "alone again"

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from batching.access import POLL_INTERVAL_S
+from accounts.access import POLL_INTERVAL_S
 from devstack.stack import ROOT, Stack
 
 __all__ = ["ROOT", "Stack", "make_api_keys", "new_queue", "simulated_env", "simulated_stack"]

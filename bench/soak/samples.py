@@ -51,7 +51,7 @@ def sample(stack: Stack, server: EmbeddedRedis, samples: Samples, stop: threadin
 def _redis_figures(client: redis.Redis) -> tuple[int, int, int, int]:
     """The bytes and number of Redis' keys that follow traffic (batches, items, results,
     counters, heartbeats...); the number of statistics buckets, which grow with time until
-    their TTL (batching.stats.TTL_S: 15 minutes of seconds, 2 hours of 10 seconds) and are
+    their TTL (telemetry.stats.TTL_S: 15 minutes of seconds, 2 hours of 10 seconds) and are
     judged by that bound, not here; and INFO's used_memory, for the record."""
     traffic, buckets = [], 0
     for key in client.scan_iter(count=1000):

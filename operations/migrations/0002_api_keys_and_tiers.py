@@ -5,7 +5,7 @@ from typing import Any
 import django.db.models.deletion
 from django.db import migrations, models
 
-# The tiers a new installation starts with (batching.access.STARTING_TIERS, frozen here:
+# The tiers a new installation starts with (accounts.access.STARTING_TIERS, frozen here:
 # a migration must not change when that constant does).
 STARTING_TIERS = {"enterprise": 30, "plus": 20, "free": 10, "anonymous": 0}
 

@@ -24,7 +24,7 @@ import pytest
 import redis
 from openai import OpenAI
 
-from batching import access
+from accounts import access
 from devstack.stack import ROOT, Stack
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession

@@ -20,6 +20,7 @@ from devstack.stack import Stack
 from operations import dashboard
 from tests.support.batches import batch_stack, chat_lines, create, keyed_client
 from tests.support.http import sample
+from tests.support.queue_views import batch_log_of
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
@@ -41,7 +42,7 @@ def test_the_mean_call_is_the_requests_calls_mean_beside_a_job(curve: Stack) -> 
     aggregator = BatchAggregator(redis.Redis.from_url(curve.env["REDIS_URL"]), queue)
 
     def records() -> list[dict[str, object]]:
-        return [json.loads(raw) for raw in aggregator.batch_log.recent()]
+        return [json.loads(raw) for raw in batch_log_of(aggregator).recent()]
 
     def job_alone() -> bool:  # the job's own calls of 100 lines: the GPU had no request
         return any(r["size"] == 0 and r["backfill"] == 100 for r in records())

@@ -33,6 +33,7 @@ from tests.support.batches import (
     records,
 )
 from tests.support.http import request
+from tests.support.queue_views import batch_log_of
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -123,7 +124,7 @@ def test_interactive_batches_carry_backfill_in_their_empty_places(
         return answer.choices[0].message.content or ""
 
     def shared() -> bool:
-        records = [json.loads(raw) for raw in aggregator.batch_log.recent()]
+        records = [json.loads(raw) for raw in batch_log_of(aggregator).recent()]
         return any(r["size"] > 0 and r.get("backfill", 0) > 0 for r in records)
 
     with ThreadPoolExecutor(8) as pool:

@@ -18,7 +18,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from batching.budgets import KEY_HELD, OWNER_SPENT, TEMPLATE_TOKENS
+from accounts.budgets import KEY_HELD, OWNER_SPENT, TEMPLATE_TOKENS
 from devstack.stack import Stack
 from tests.support import unique_queue
 from tests.support.http import request

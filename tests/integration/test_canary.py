@@ -166,7 +166,7 @@ def ramps(stack: Stack, alias: str) -> list[int]:
 
 FIGURES_SCRIPT = """
 import json, time
-from batching import stats
+from telemetry import stats
 from sampling.redis_client import redis_client
 from operations.models import AliasTarget, CanaryTrial
 now = int(time.time())

@@ -28,6 +28,7 @@ from devstack.stack import Stack
 from sampling.redis_client import MAX_CONNECTIONS_PER_PROCESS, connect
 from tests.support.bursts import burst_until_answered
 from tests.support.http import Reply, sample
+from tests.support.queue_views import batch_log_of
 from tests.support.waiting import wait_until
 
 SHARDS = 6
@@ -88,7 +89,7 @@ def test_every_request_gets_its_own_completion_from_every_shard_and_master(
     prompts = [f"cluster prompt {i} of a burst" for i in range(600)]
     burst_until_answered(farm.base_url, prompts)
 
-    records = [json.loads(raw) for raw in aggregator.batch_log.recent()]
+    records = [json.loads(raw) for raw in batch_log_of(aggregator).recent()]
     served_tags = {tag_of(record["batch_id"]) for record in records if record["size"]}
     assert served_tags == {keys.tag for keys in aggregator.shards}  # batches from every shard
     masters = {master_of(cluster, keys) for keys in aggregator.shards}

@@ -12,8 +12,8 @@ import redis
 from redis.crc import key_slot
 
 from batching.aggregator import BatchAggregator
+from batching.join import AppendCounter
 from batching.keys import LaneKeys
-from batching.ratelimit import RateCounter
 from batching.topology import WaitingPool, redis_client
 from devstack.embedded_cluster import EmbeddedCluster
 from tests.support import unique_queue
@@ -38,7 +38,7 @@ def test_items_limit_and_cache_in_one_call_on_every_shard(cluster: EmbeddedClust
         aggregator.queue_cache_version(pipe, 3)
         pipe.execute()
     for shard, keys in enumerate(aggregator.shards):
-        counter = RateCounter(keys.requests_counter(7, 1), 60_000)
+        counter = AppendCounter(keys.requests_counter(7, 1), 60_000)
         items = [(digest, "cached"), *[("", f"prompt {i}") for i in range(5)]]
         joined = aggregator.append_items(
             items, 500, shard, key_id=7, counter=counter, cost=6, limit=10, version=3

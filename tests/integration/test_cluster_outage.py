@@ -18,13 +18,14 @@ import pytest
 
 from batching.aggregator import BatchAggregator
 from batching.policy import Policy, publish
-from batching.stats import SECOND, merge, read_buckets
 from batching.topology import redis_client
 from devstack.embedded_cluster import EmbeddedCluster
 from devstack.embedded_redis import EmbeddedRedis
 from devstack.stack import Stack
+from telemetry.stats import SECOND, merge, read_buckets
 from tests.support.http import Reply, request, sample
 from tests.support.keys import bearer, create_key
+from tests.support.queue_views import workers_of
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
@@ -134,7 +135,7 @@ def test_every_loop_of_every_process_runs_again_after_every_master_died(
 
     # The worker's heartbeat.
     def worker_info() -> dict[str, Any]:
-        infos = aggregator.workers.infos(time.time() - 60)
+        infos = workers_of(aggregator).infos(time.time() - 60)
         assert len(infos) == 1, infos
         return infos[0][1]
 

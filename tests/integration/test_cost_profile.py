@@ -23,6 +23,7 @@ from batching.call_cost import Shape, load_profile
 from bench.profile_fit import fit, section_of
 from devstack.stack import ROOT, Stack
 from tests.support.http import sample
+from tests.support.queue_views import batch_log_of
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
@@ -52,7 +53,7 @@ def aggregator_of(stack: Stack) -> BatchAggregator:
 
 
 def records(stack: Stack) -> list[dict[str, object]]:
-    return [json.loads(raw) for raw in aggregator_of(stack).batch_log.recent()]
+    return [json.loads(raw) for raw in batch_log_of(aggregator_of(stack)).recent()]
 
 
 def answered(stack: Stack, prompt: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batching.budgets import prompt_bound
+from accounts.budgets import prompt_bound
 from batching.embeddings import decode
 from batching.generation import (
     Completion,

@@ -3,7 +3,7 @@ gets a 401 at any moment, nor is served as anonymous while keys are optional (ev
 carries the key's own limit); the requests in flight at the restart get a 503 or a 504, and
 every request sent from 2 s after the restart gets its completion. The web processes
 keep their last good key set while Redis has none, and the first to notice republishes it
-from the database at once (batching.access, operations.models.republish_missing_access)."""
+from the database at once (accounts.access, operations.models.republish_missing_access)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from batching import access
+from accounts import access
 from devstack.embedded_redis import EmbeddedRedis
 from devstack.stack import Stack
 from tests.support.http import sample

@@ -22,7 +22,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from batching.access import ANONYMOUS_TIER
+from accounts.access import ANONYMOUS_TIER
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
@@ -32,6 +32,7 @@ from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.bursts import burst_until_answered
 from tests.support.http import request, sample
+from tests.support.queue_views import batch_log_of
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
@@ -122,7 +123,7 @@ def test_an_admin_change_of_max_batch_size_is_obeyed_within_2_s(
 ) -> None:
     aggregator = aggregator_of(ops)
     burst(ops, 40, "before")
-    before = [json.loads(r) for r in aggregator.batch_log.recent()]
+    before = [json.loads(r) for r in batch_log_of(aggregator).recent()]
     assert max(r["size"] for r in before) > 5  # a burst of 40 fills batches beyond 5
 
     status, url, _ = admin_session.post_form(
@@ -169,7 +170,7 @@ def check_max_batch_size_of_5_is_obeyed(
 
     def logged_since() -> list[dict[str, Any]] | None:
         """The batches logged since the save, once they hold the burst's 15 requests."""
-        records = [json.loads(r) for r in aggregator.batch_log.recent()]
+        records = [json.loads(r) for r in batch_log_of(aggregator).recent()]
         found = [r for r in records if r["batch_id"] not in known]
         return found if sum(int(r["size"]) for r in found) >= 15 else None
 
@@ -189,7 +190,7 @@ def check_max_batch_size_of_5_is_obeyed(
 def test_metrics_totals_across_processes_and_workers(ops: Stack) -> None:
     before = scrape(ops)
     aggregator = aggregator_of(ops)
-    known = {json.loads(r)["batch_id"] for r in aggregator.batch_log.recent()}
+    known = {json.loads(r)["batch_id"] for r in batch_log_of(aggregator).recent()}
     ok, bad = 60, 7
     burst(ops, ok, "metrics")
     for _ in range(bad):
@@ -199,7 +200,7 @@ def test_metrics_totals_across_processes_and_workers(ops: Stack) -> None:
         """A scrape once the worker has published the burst's batches (with each heartbeat,
         1 s apart), and the web processes their requests."""
         scraped = scrape(ops)
-        workers = {json.loads(r)["worker"] for r in aggregator.batch_log.recent()}
+        workers = {json.loads(r)["worker"] for r in batch_log_of(aggregator).recent()}
         batched = sum(
             scraped.get(("sampling_batch_size_sum", (("worker", worker),)), 0.0)
             - before.get(("sampling_batch_size_sum", (("worker", worker),)), 0.0)
@@ -226,7 +227,7 @@ def test_metrics_totals_across_processes_and_workers(ops: Stack) -> None:
 
     new_batches = [
         json.loads(r)
-        for r in aggregator.batch_log.recent()
+        for r in batch_log_of(aggregator).recent()
         if json.loads(r)["batch_id"] not in known
     ]
     worker = new_batches[0]["worker"]

@@ -17,7 +17,7 @@ import pytest
 import redis
 from openai import OpenAI
 
-from batching import access, ratelimit
+from accounts import access, ratelimit
 from batching.keys import ShardKeys
 from devstack.stack import Stack
 from tests.support import unique_queue

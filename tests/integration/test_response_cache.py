@@ -16,15 +16,17 @@ import redis
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from batching import policy, stats
+from batching import policy
 from batching.aggregator import BatchAggregator
 from batching.keys import QueueKeys
 from batching.registry import HEARTBEAT_TIMEOUT_MS, WorkerRegistry
 from devstack.stack import Stack
+from telemetry import stats
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample
 from tests.support.keys import PROBES, bearer, create_key
+from tests.support.queue_views import batch_log_of
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -52,7 +54,7 @@ def sampled_items(stack: Stack) -> int:
     aggregator = BatchAggregator(
         redis.Redis.from_url(stack.env["REDIS_URL"]), stack.env["SAMPLING_QUEUE"]
     )
-    return sum(json.loads(raw)["size"] for raw in aggregator.batch_log.recent())
+    return sum(json.loads(raw)["size"] for raw in batch_log_of(aggregator).recent())
 
 
 def counted_in_stats(stack: Stack) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from devstack.stack import Stack
 from tests.support.bursts import burst_until_answered
 from tests.support.http import request, sample
 from tests.support.probe_sampler import seen_key
+from tests.support.queue_views import batch_log_of
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
@@ -54,7 +55,7 @@ def batch_records(stack: Stack) -> list[dict[str, Any]]:
     aggregator = BatchAggregator(
         redis.Redis.from_url(stack.env["REDIS_URL"]), stack.env["SAMPLING_QUEUE"]
     )
-    return [json.loads(raw) for raw in aggregator.batch_log.recent()]
+    return [json.loads(raw) for raw in batch_log_of(aggregator).recent()]
 
 
 def test_round_trip(service: Stack) -> None:

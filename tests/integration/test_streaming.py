@@ -22,16 +22,17 @@ import redis
 from openai import AsyncOpenAI, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from batching import stats
 from batching.aggregator import BatchAggregator
 from batching.deltas import is_delta, parse_deltas
 from batching.generation import render_chat_plain
 from batching.policy import Policy
 from devstack.stack import Stack
 from operations import dashboard
+from telemetry import stats
 from tests.support.http import request
 from tests.support.ingress_nginx import IngressNginx
 from tests.support.nginx_proxy import Nginx, nginx_binary
+from tests.support.queue_views import batch_log_of
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 from workers.turns import QUEUE_TIMES_EVERY_S
@@ -176,7 +177,7 @@ def batch_records(stack: Stack) -> list[dict[str, Any]]:
     aggregator = BatchAggregator(
         redis.Redis.from_url(stack.env["REDIS_URL"]), stack.env["SAMPLING_QUEUE"]
     )
-    return [json.loads(raw) for raw in aggregator.batch_log.recent()]
+    return [json.loads(raw) for raw in batch_log_of(aggregator).recent()]
 
 
 def _newer(

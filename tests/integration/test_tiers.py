@@ -13,18 +13,19 @@ from functools import partial
 import pytest
 import redis
 
-from batching.access import STARTING_TIERS
+from accounts.access import STARTING_TIERS
 from batching.aggregator import BatchAggregator
 from batching.keys import LaneKeys
 from batching.policy import Policy
-from batching.recommendation import RECENT_S
 from devstack.stack import Stack
 from operations import dashboard
 from operations.dashboard import TierRow
+from telemetry.recommendation import RECENT_S
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import sample
 from tests.support.keys import bearer, create_key
+from tests.support.queue_views import batch_log_of
 from tests.support.waiting import wait_until
 from workers.samplers.simulated import expected_completion
 
@@ -64,7 +65,7 @@ def test_a_higher_tier_is_served_ahead_of_a_lower_tiers_backlog(tiered: Stack) -
     client = redis.Redis.from_url(tiered.env["REDIS_URL"])
     aggregator = BatchAggregator(client, tiered.env["SAMPLING_QUEUE"])
     free_lane = LaneKeys.of(aggregator.shards[0], STARTING_TIERS["free"])
-    seen = {json.loads(raw)["batch_id"] for raw in aggregator.batch_log.recent()}
+    seen = {json.loads(raw)["batch_id"] for raw in batch_log_of(aggregator).recent()}
 
     def send(tier: str, index: int) -> tuple[str, int, str, float]:
         prompt = f"{tier} {index}"
@@ -87,7 +88,7 @@ def test_a_higher_tier_is_served_ahead_of_a_lower_tiers_backlog(tiered: Stack) -
             assert (status, body) == (200, expected_completion(prompt)), tier
     # The enterprise batch went ahead of the free batches still waiting: at most the call
     # running when it came and the one its worker held ran before it.
-    records = [json.loads(raw) for raw in reversed(aggregator.batch_log.recent())]
+    records = [json.loads(raw) for raw in reversed(batch_log_of(aggregator).recent())]
     order = [r["lane"] for r in records if r["batch_id"] not in seen and r["size"] == BATCH]
     assert order.count(STARTING_TIERS["enterprise"]) == 1, order
     assert order.index(STARTING_TIERS["enterprise"]) <= 2, order

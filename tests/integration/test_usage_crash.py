@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from batching import stats
 from batching.outcomes import RequestOutcome
 from devstack.embedded_redis import EmbeddedRedis
+from telemetry import stats
 from tests.support import unique_queue
 from tests.support.waiting import wait_until
 

@@ -31,6 +31,7 @@ from tests.support import ADMIN_PASSWORD, ADMIN_USER, unique_queue
 from tests.support.admin_client import AdminSession
 from tests.support.http import Reply, request, sample
 from tests.support.probe_sampler import CONTEXT_TOKENS, stuck_call_key
+from tests.support.queue_views import workers_of
 from tests.support.waiting import wait_until
 from workers.launch import worker_command, worker_environment
 from workers.lifecycle import EXIT_DUPLICATE_NAME, EXIT_HUNG_CALL, EXIT_UNHEALTHY_GPU
@@ -98,7 +99,7 @@ def held_by(pid: int, commands: list[tuple[int, str]], handover_due: str) -> boo
 
 def live_workers(stack: Stack) -> int:
     client = redis.Redis.from_url(stack.env["REDIS_URL"])
-    return BatchAggregator(client, stack.env["SAMPLING_QUEUE"]).workers.live_count()
+    return workers_of(BatchAggregator(client, stack.env["SAMPLING_QUEUE"])).live_count()
 
 
 def test_a_hung_call_is_answered_502_at_the_timeout_and_its_worker_leaves(
@@ -159,8 +160,8 @@ def test_a_worker_whose_calls_fail_in_a_row_leaves_admission_and_says_why(
         # Each failing batch is answered at once, the last one too: no wait for a deadline.
         assert reply.status == 502, reply.body
     assert worker.wait(timeout=5) == EXIT_UNHEALTHY_GPU
-    assert aggregator.workers.live_count() == 0
-    (info,) = [info for _, info in aggregator.workers.infos(0)]
+    assert workers_of(aggregator).live_count() == 0
+    (info,) = [info for _, info in workers_of(aggregator).infos(0)]
     assert info["state"] == "unhealthy"
     assert stack.log_dir is not None
     log = (stack.log_dir / "worker-cpu.log").read_text()
@@ -314,7 +315,7 @@ def test_a_policy_the_sampler_refuses_is_not_reported_applied_and_the_admin_says
     session.login(ADMIN_USER, ADMIN_PASSWORD)
 
     def info() -> dict[str, object]:
-        (found,) = [found for _, found in aggregator.workers.infos(0)]
+        (found,) = [found for _, found in workers_of(aggregator).infos(0)]
         return found
 
     # Version 1, which the sampler takes.
@@ -363,8 +364,8 @@ def test_a_second_worker_under_a_live_workers_name_refuses_to_start(
     stack = start_stack("duplicate-name", env={"SAMPLER": "simulated"})
     queue = stack.env["SAMPLING_QUEUE"]
     aggregator = BatchAggregator(redis.Redis.from_url(stack.env["REDIS_URL"]), queue)
-    wait_until(lambda: aggregator.workers.live_count() == 1, 10, "the first worker live")
-    ((name, first),) = aggregator.workers.infos(0)
+    wait_until(lambda: workers_of(aggregator).live_count() == 1, 10, "the first worker live")
+    ((name, first),) = workers_of(aggregator).infos(0)
     env = {**worker_environment(None, stack.environment()), "PYTHONPATH": str(ROOT)}
     second = subprocess.run(
         worker_command(None, queue), cwd=ROOT, env=env, capture_output=True, text=True,
@@ -376,8 +377,8 @@ def test_a_second_worker_under_a_live_workers_name_refuses_to_start(
     assert f"pid {first['pid']}" in output  # which one holds it
     assert "loaded for queue" not in output  # refused before loading a sampler
     # The first worker goes on, alone under its name.
-    assert aggregator.workers.live_count() == 1
-    assert [info["pid"] for _, info in aggregator.workers.infos(0)] == [first["pid"]]
+    assert workers_of(aggregator).live_count() == 1
+    assert [info["pid"] for _, info in workers_of(aggregator).infos(0)] == [first["pid"]]
     assert sample(stack.base_url, "still one").body == expected_completion("still one")
 
 
@@ -393,8 +394,8 @@ def test_several_cpu_workers_of_a_stack_count_as_several(
 
     def four_names() -> bool:
         # Both reads at once: on busy cores one heartbeat may be a moment late for either.
-        names = {name for name, _ in aggregator.workers.infos(0)}
-        return len(names) == 4 and aggregator.workers.live_count() == 4
+        names = {name for name, _ in workers_of(aggregator).infos(0)}
+        return len(names) == 4 and workers_of(aggregator).live_count() == 4
 
     wait_until(four_names, 30, "four live workers under four names")
     assert all(process.poll() is None for process in stack.workers)

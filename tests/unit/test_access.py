@@ -8,7 +8,7 @@ import uuid
 import pytest
 import redis
 
-from batching import access
+from accounts import access
 from batching.keys import AccessKeys
 
 

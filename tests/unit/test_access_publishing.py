@@ -13,8 +13,8 @@ import pytest
 import redis
 from django.core.management import CommandError, call_command
 
-from batching import access
-from batching.budgets import budget_nanos
+from accounts import access
+from accounts.budgets import budget_nanos
 from operations import housekeeping
 from operations.models import (
     ApiKey,

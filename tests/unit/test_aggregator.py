@@ -18,6 +18,7 @@ from batching.items import Ticket
 from batching.keys import tag_of
 from tests.support import unique_queue
 from tests.support.clocks import SetClock, redis_ms
+from tests.support.queue_views import workers_of
 
 
 @pytest.fixture
@@ -257,12 +258,12 @@ def test_shards_spread_requests_and_keep_their_own_batches(redis_client: redis.R
 
 
 def test_heartbeats_count_live_workers(aggregator: BatchAggregator) -> None:
-    assert aggregator.workers.live_count() == 0
-    assert aggregator.workers.heartbeat("gpu0") == 1
-    assert aggregator.workers.heartbeat("gpu1") == 2
-    assert aggregator.workers.heartbeat("gpu0") == 2
-    aggregator.workers.forget("gpu0")
-    assert aggregator.workers.live_count() == 1
+    assert workers_of(aggregator).live_count() == 0
+    assert workers_of(aggregator).heartbeat("gpu0") == 1
+    assert workers_of(aggregator).heartbeat("gpu1") == 2
+    assert workers_of(aggregator).heartbeat("gpu0") == 2
+    workers_of(aggregator).forget("gpu0")
+    assert workers_of(aggregator).live_count() == 1
 
 
 def test_max_batch_size_is_bounded(redis_client: redis.Redis) -> None:

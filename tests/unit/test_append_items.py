@@ -8,7 +8,7 @@ import redis
 
 from batching.aggregator import BatchAggregator
 from batching.generation import SampleRequest
-from batching.ratelimit import RateCounter
+from batching.join import AppendCounter
 from tests.support import unique_queue
 
 
@@ -61,7 +61,7 @@ def test_the_limit_refuses_a_request_that_does_not_fit_and_appends_nothing(
     redis_client: redis.Redis,
 ) -> None:
     aggregator = BatchAggregator(redis_client, unique_queue("items"))
-    counter = RateCounter(aggregator.shards[0].requests_counter(5, 1), 60_000)
+    counter = AppendCounter(aggregator.shards[0].requests_counter(5, 1), 60_000)
     served = aggregator.append_items(prompts(3), 500, 0, key_id=5, counter=counter, cost=3,
                                      limit=4)  # fmt: skip
     assert (served.limited, served.counted, len(served.tickets)) == (False, 3, 3)

@@ -10,14 +10,15 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from batching import stats
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
-from batching.recommendation import RECENT_S, RIGHT, UNDER
 from operations import dashboard
 from sampling.metrics import exposition
+from telemetry import stats
+from telemetry.recommendation import RECENT_S, RIGHT, UNDER
 from tests.support import unique_queue
+from tests.support.queue_views import workers_of
 
 
 def feed(
@@ -89,7 +90,7 @@ def test_gauges_match_the_hand_calculation(
     feed(redis_client, queue, policy=policy, **traffic)
     aggregator = BatchAggregator(redis_client, queue, max_batch_size=policy.max_batch_size)
     for index in range(live):
-        aggregator.workers.heartbeat(f"worker-{index}")
+        workers_of(aggregator).heartbeat(f"worker-{index}")
     assert gauges(redis_client, queue, policy) == {
         "sampling_gpus_recommended": by_hand,
         "sampling_gpus_live": live,
@@ -99,10 +100,10 @@ def test_gauges_match_the_hand_calculation(
 def test_a_worker_that_leaves_leaves_the_live_gauge(redis_client: redis.Redis) -> None:
     queue, policy = unique_queue("gauges"), Policy()
     aggregator = BatchAggregator(redis_client, queue)
-    aggregator.workers.heartbeat("staying")
-    aggregator.workers.heartbeat("leaving")
+    workers_of(aggregator).heartbeat("staying")
+    workers_of(aggregator).heartbeat("leaving")
     assert gauges(redis_client, queue, policy)["sampling_gpus_live"] == 2
-    aggregator.workers.forget("leaving")  # as a worker stopping says so
+    workers_of(aggregator).forget("leaving")  # as a worker stopping says so
     assert gauges(redis_client, queue, policy)["sampling_gpus_live"] == 1
 
 
@@ -149,7 +150,7 @@ def test_a_burst_inside_a_lighter_minute_asks_for_the_gpus_it_needed(
     now = int(time.time())
     seconds = {offset: BURST if offset in burst else HALF for offset in range(-RECENT_S - 1, 2)}
     feed_seconds(redis_client, queue, now, seconds)
-    BatchAggregator(redis_client, queue).workers.heartbeat("the one GPU")
+    workers_of(BatchAggregator(redis_client, queue)).heartbeat("the one GPU")
     assert gauges(redis_client, queue, policy)["sampling_gpus_recommended"] == by_hand
     board = dashboard.build(redis_client, queue, policy, now=now + 0.5)
     assert board.recommendation.needed_gpus == by_hand
@@ -166,7 +167,7 @@ def test_each_model_has_its_gauges_and_its_gpu_time_per_request(
          batch_size=80, call_ms=100)  # fmt: skip
     for queue, workers in ((busy, 2), (idle, 1)):
         for index in range(workers):
-            BatchAggregator(redis_client, queue).workers.heartbeat(f"worker-{index}")
+            workers_of(BatchAggregator(redis_client, queue)).heartbeat(f"worker-{index}")
     text = exposition(redis_client, [(busy, policy), (idle, policy)]).decode()
     by_family = {family.name: family for family in text_string_to_metric_families(text)}
     live = {s.labels["queue"]: s.value for s in by_family["sampling_gpus_live"].samples}

@@ -10,13 +10,13 @@ from collections import Counter
 import pytest
 import redis
 
-from batching import stats
 from batching.aggregator import BatchAggregator
 from batching.backfill import Backfill, BackfillItem
 from batching.call_cost import Shape, load_profile
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome
 from batching.protocol import BACKFILL_TURN
+from telemetry import stats
 from tests.support import unique_queue
 from workers.call_costs import CallCosts
 from workers.runner import BatchRunner

@@ -8,9 +8,9 @@ from decimal import Decimal
 import pytest
 import redis
 
-from batching import budgets as budgets_module
-from batching.access import Caller, KeyRecord
-from batching.budgets import (
+from accounts import budgets as budgets_module
+from accounts.access import Caller, KeyRecord
+from accounts.budgets import (
     KEY_HELD,
     KEY_SPENT,
     OWNER_HELD,
@@ -20,9 +20,9 @@ from batching.budgets import (
     budget_nanos,
 )
 from batching.catalog import Price, nanos_as_decimal
-from batching.flush import month_of
 from batching.keys import AccessKeys, QueueKeys
-from batching.stats import RequestStats, read_buckets, usage_of
+from telemetry.flush import month_of
+from telemetry.stats import RequestStats, read_buckets, usage_of
 
 NOVEMBER = datetime(2026, 11, 30, 23, 59, 58, tzinfo=UTC).timestamp()
 DECEMBER = NOVEMBER + 5

@@ -13,9 +13,9 @@ from batching.aggregator import BatchAggregator
 from batching.answers import Answer
 from batching.generation import SampleRequest
 from batching.items import Item
+from batching.join import AppendCounter
 from batching.outcomes import ItemOutcome
 from batching.policy import GenerationSettings, Policy
-from batching.ratelimit import RateCounter
 from tests.support import unique_queue
 from workers.runner import BatchRunner
 from workers.samplers.simulated import SimulatedSampler
@@ -76,7 +76,7 @@ def test_a_cached_answer_is_returned_by_the_append_and_joins_no_batch(
     counter = aggregator.shards[1].requests_counter(9, 1)
     for shard in (0, 1):  # every shard has it
         joined = aggregator.append_items(
-            [(digest, "E equals ")], 500, shard=shard, key_id=9, counter=RateCounter(counter)
+            [(digest, "E equals ")], 500, shard=shard, key_id=9, counter=AppendCounter(counter)
         )
         [hit] = joined.tickets
         assert hit.cached is not None

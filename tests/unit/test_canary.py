@@ -5,8 +5,9 @@ from collections import Counter
 
 import pytest
 
-from batching import stats
-from batching.canary import (
+from batching.outcomes import RequestOutcome
+from telemetry import stats
+from telemetry.canary import (
     ERRORS,
     LATE,
     PAUSED,
@@ -20,7 +21,6 @@ from batching.canary import (
     log_evidence,
     summary,
 )
-from batching.outcomes import RequestOutcome
 
 RULE = Rule(min_clusters=10, min_requests=100)
 

@@ -10,10 +10,10 @@ import pytest
 import redis
 from django.core.management import call_command
 
-from batching import canary, stats
 from batching.keys import QueueKeys
 from operations import canary as judge
 from operations.registry import AliasTarget, CanaryTrial, CatalogChange, RegisteredModel
+from telemetry import canary, stats
 from tests.support import unique_queue
 
 pytestmark = pytest.mark.django_db

@@ -1,5 +1,5 @@
 """The canary verdict's error rates, by simulation: a thousand canary-days judged by the service's
-own test (batching.canary, on numpy arrays), against the rule it replaced.
+own test (telemetry.canary, on numpy arrays), against the rule it replaced.
 
 The traffic the routing guide states: each side gets 200 requests a minute, in batches of 1 to
 100 requests (uniform). A batch shares one fate with probability 5%: all its requests are late
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batching import canary
+from telemetry import canary
 
 pytestmark = pytest.mark.timeout(60)
 

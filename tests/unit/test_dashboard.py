@@ -7,13 +7,14 @@ import time
 import pytest
 import redis
 
-from batching import stats
 from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
-from batching.recommendation import RECENT_S
 from operations import dashboard
+from telemetry import stats
+from telemetry.recommendation import RECENT_S
 from tests.support import unique_queue
+from tests.support.queue_views import workers_of
 
 
 def test_fixed_scenario_matches_the_hand_calculation(redis_client: redis.Redis) -> None:
@@ -23,7 +24,7 @@ def test_fixed_scenario_matches_the_hand_calculation(redis_client: redis.Redis) 
     gpus = [f"gpu{i}@node" for i in range(25)]
     aggregator = BatchAggregator(redis_client, queue)
     for gpu in gpus:
-        aggregator.workers.heartbeat(gpu)
+        workers_of(aggregator).heartbeat(gpu)
     with redis_client.pipeline(transaction=False) as pipe:
         for second in range(int(now) - 60, int(now)):
             per_second = stats.merge(

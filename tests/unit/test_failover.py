@@ -8,7 +8,7 @@ import uuid
 
 import redis
 
-from batching.ratelimit import RateLimiter
+from accounts.ratelimit import RateLimiter
 from sampling.runtime import COOLDOWN_AFTER_FAILURES, COOLDOWN_S, make_model
 
 

@@ -12,8 +12,8 @@ import redis
 from django.test import override_settings
 from django.utils import timezone
 
-from batching import access, stats
-from batching.budgets import Budgets
+from accounts import access
+from accounts.budgets import Budgets
 from batching.keys import AccessKeys, QueueKeys
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
@@ -28,6 +28,7 @@ from operations.models import (
     default_policy,
 )
 from sampling import redis_client as web_redis
+from telemetry import stats
 from tests.support import unique_queue
 
 pytestmark = pytest.mark.django_db

@@ -12,12 +12,12 @@ import redis
 from django.core.files.base import ContentFile
 from django.utils import timezone
 
-from batching.budgets import Budgets
+from accounts.budgets import Budgets
 from batching.catalog import Price
-from batching.flush import MONTH_TTL_S
 from batching.keys import QueueKeys
 from offline import charges
 from offline.models import Job, JobLine, StoredFile
+from telemetry.flush import MONTH_TTL_S
 from tests.support import unique_queue
 
 pytestmark = pytest.mark.django_db

@@ -13,6 +13,7 @@ from redis.retry import Retry
 
 from batching.aggregator import HANDOVER_SCAN_MS, BatchAggregator
 from tests.support import unique_queue
+from tests.support.queue_views import workers_of
 from tests.support.waiting import wait_until
 from workers.lifecycle import (
     EXIT_HUNG_CALL,
@@ -57,13 +58,13 @@ def test_the_worker_heartbeats_while_it_runs_and_says_goodbye_on_a_warm_stop(
 ) -> None:
     life, exits, _ = worker
     life.start()
-    wait_until(lambda: life.aggregator.workers.live_count() == 1, 2, "the first heartbeat")
+    wait_until(lambda: workers_of(life.aggregator).live_count() == 1, 2, "the first heartbeat")
     wait_until(lambda: life.heartbeat.runs >= 3, 2, "heartbeats once an interval")
     assert info_of(life)["state"] == "idle"
     life.stop()
     assert not life.heartbeat.running
     assert not life.handover.running
-    assert life.aggregator.workers.live_count() == 0
+    assert workers_of(life.aggregator).live_count() == 0
     assert info_of(life)["state"] == "stopped"
     assert exits.statuses == []
 
@@ -73,10 +74,10 @@ def test_a_worker_that_leaves_says_why_and_exits_with_its_status(
 ) -> None:
     life, exits, _ = worker
     life.start()
-    wait_until(lambda: life.aggregator.workers.live_count() == 1, 2, "the first heartbeat")
+    wait_until(lambda: workers_of(life.aggregator).live_count() == 1, 2, "the first heartbeat")
     life.leave("hung", EXIT_HUNG_CALL)
     assert exits.statuses == [EXIT_HUNG_CALL]
-    assert life.aggregator.workers.live_count() == 0
+    assert workers_of(life.aggregator).live_count() == 0
     assert info_of(life)["state"] == "hung"
     life.stop()  # Celery's shutdown signal afterwards: nothing more to do
     assert info_of(life)["state"] == "hung"
@@ -105,7 +106,7 @@ def test_the_workers_of_a_queue_share_its_hand_over_scans(
         assert live * base_s / each_s == pytest.approx(min(live, HANDOVER_SCANNERS))
     others = [f"other-{index}" for index in range(2 * HANDOVER_SCANNERS - 1)]
     for name in others:
-        life.aggregator.workers.heartbeat(name)
+        workers_of(life.aggregator).heartbeat(name)
     life.beat()
     assert life.runner.live_workers == len(others) + 1
     assert life.handover.interval_s == pytest.approx(2 * base_s)

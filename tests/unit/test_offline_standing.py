@@ -9,8 +9,8 @@ from typing import Any, cast
 
 import redis
 
-from batching import access
-from batching.budgets import Budgets
+from accounts import access
+from accounts.budgets import Budgets
 from batching.keys import AccessKeys
 from batching.problems import Problem
 from offline.standing import refusal_of

@@ -23,6 +23,7 @@ from batching.backfill import Backfill, BackfillItem
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome
 from tests.support import unique_queue
+from tests.support.queue_views import batch_log_of
 from tests.support.waiting import wait_until
 from workers.pipeline import BatchPipeline
 from workers.runner import BatchRunner
@@ -127,8 +128,8 @@ def test_every_batch_is_answered_in_order_and_recorded(harness: MakeHarness) -> 
         (batch_id, [[ItemOutcome.OK, f"A{i}"], [ItemOutcome.OK, f"B{i}"]])
         for i, batch_id in enumerate(batches)
     ]
-    wait_until(lambda: len(h.aggregator.batch_log.recent()) >= 3, 5, "3 batch records")
-    records = [json.loads(raw) for raw in h.aggregator.batch_log.recent()]
+    wait_until(lambda: len(batch_log_of(h.aggregator).recent()) >= 3, 5, "3 batch records")
+    records = [json.loads(raw) for raw in batch_log_of(h.aggregator).recent()]
     assert sorted(r["batch_id"] for r in records) == sorted(batches)
 
 

@@ -8,17 +8,17 @@ import uuid
 
 import redis
 
-from batching import ratelimit
-from batching.access import Caller
+from accounts import ratelimit
+from accounts.access import Caller
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer
 from batching.catalog import Price
 from batching.generation import SampleRequest
+from batching.join import AppendCounter
 from batching.keys import AccessKeys
 from batching.outcomes import ItemOutcome
-from batching.ratelimit import RateCounter
-from batching.stats import RequestStats
 from sampling.submission import Answers, charge
+from telemetry.stats import RequestStats
 from tests.support import unique_queue
 
 WINDOW_START = 1_000 * ratelimit.WINDOW_S  # a window's first second
@@ -31,9 +31,9 @@ def caller(rpm: int = 0, tpm: int = 0, key_id: int = 42) -> Caller:
 def test_the_append_raises_the_counter_and_carries_the_key(redis_client: redis.Redis) -> None:
     aggregator = BatchAggregator(redis_client, unique_queue("rate"))
     counter = aggregator.shards[0].requests_counter(42, 7)
-    first = aggregator.append("a", 500, key_id=42, counter=RateCounter(counter, 5_000))
+    first = aggregator.append("a", 500, key_id=42, counter=AppendCounter(counter, 5_000))
     second = aggregator.append(
-        SampleRequest(prompt="b"), 500, key_id=42, counter=RateCounter(counter)
+        SampleRequest(prompt="b"), 500, key_id=42, counter=AppendCounter(counter)
     )
     anonymous = aggregator.append("c", 500)
     assert (first.counted, second.counted, anonymous.counted) == (1, 2, 0)

@@ -12,9 +12,9 @@ import redis
 from django.conf import settings
 from django.test import RequestFactory
 
-from batching.access import AccessWatcher
+from accounts.access import AccessWatcher
+from accounts.ratelimit import RateLimiter
 from batching.catalog import CatalogWatcher, base_catalog
-from batching.ratelimit import RateLimiter
 from sampling import runtime, views
 from sampling.runtime import WebProcess, listed_models
 from sampling.shedding import Shedder

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from batching.recommendation import (
+from telemetry.recommendation import (
     IDLE,
     OVER,
     RIGHT,
@@ -13,7 +13,7 @@ from batching.recommendation import (
     peak_demand,
     recommend,
 )
-from batching.stats import CACHE_HITS
+from telemetry.stats import CACHE_HITS
 
 
 def test_the_issue_example_by_hand() -> None:

@@ -9,14 +9,15 @@ import pytest
 import redis
 from prometheus_client import generate_latest
 
-from batching import stats
 from batching.aggregator import BatchAggregator
 from batching.backfill import Backfill, BackfillItem
 from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
 from batching.protocol import BACKFILL_TURN
+from telemetry import stats
 from tests.support import unique_queue
+from tests.support.queue_views import batch_log_of, workers_of
 from workers.runner import BatchRunner
 from workers.samplers.base import GenerationSettings, PromptRejected, Sampler
 from workers.samplers.simulated import SimulatedSampler, expected_completion
@@ -59,7 +60,7 @@ def test_results_are_aligned_with_items(aggregator: BatchAggregator) -> None:
         [ItemOutcome.OK, f"PROMPT {i}"] for i in range(5)
     ]
     assert sampler.calls == [[f"prompt {i}" for i in range(5)]]
-    record = json.loads(aggregator.batch_log.recent(1)[0])
+    record = json.loads(batch_log_of(aggregator).recent(1)[0])
     assert (record["size"], record["ok"], record["expired"], record["worker"]) == (5, 5, 0, "w")
 
 
@@ -117,7 +118,7 @@ def test_estimate_follows_measured_calls(aggregator: BatchAggregator) -> None:
     runner = BatchRunner(aggregator, SimulatedSampler(batch_ms=30), "w")
     runner.warm_up()
     assert 25 <= runner.estimate_ms < 80
-    assert aggregator.batch_log.published_turn_ms() == round(runner.estimate_ms)
+    assert batch_log_of(aggregator).published_turn_ms() == round(runner.estimate_ms)
     ticket = aggregator.append("E equals ", 5000)
     assert run(runner, ticket.batch_id) == [[ItemOutcome.OK, expected_completion("E equals ")]]
     assert runner.batches == 1
@@ -172,7 +173,7 @@ def test_a_policy_the_sampler_refuses_is_not_applied_in_part_nor_reported(
     assert (sampler.generation.max_new_tokens, aggregator.max_batch_size) == (32, 100)
     ticket = aggregator.append("a", 500)
     runner.run(ticket.batch_id)
-    record = json.loads(aggregator.batch_log.recent(1)[0])
+    record = json.loads(batch_log_of(aggregator).recent(1)[0])
     assert record["policy_version"] == 1
     live["policy"] = Policy(max_batch_size=5, max_new_tokens=50, version=3)
     assert runner.apply_policy().version == 3
@@ -189,7 +190,7 @@ def test_a_batch_opened_under_a_larger_max_runs_in_calls_of_the_new_max(
     results = run(runner, tickets[0].batch_id)
     assert [len(call) for call in sampler.calls] == [5, 5, 2]
     assert results == [[ItemOutcome.OK, f"P{i}"] for i in range(12)]
-    record = json.loads(aggregator.batch_log.recent(1)[0])
+    record = json.loads(batch_log_of(aggregator).recent(1)[0])
     assert (record["size"], record["max_batch_size"]) == (12, 5)
 
 
@@ -239,10 +240,10 @@ def test_a_worker_that_cannot_say_goodbye_says_why(
 ) -> None:
     from workers.lifecycle import say_goodbye
 
-    aggregator.workers.heartbeat("w")
+    workers_of(aggregator).heartbeat("w")
     runner = BatchRunner(aggregator, RecordingSampler(), "w")
     say_goodbye(runner)
-    assert aggregator.workers.live_count() == 0
+    assert workers_of(aggregator).live_count() == 0
     dead = BatchAggregator(redis.Redis(port=1, socket_connect_timeout=0.2), aggregator.queue)
     with caplog.at_level("WARNING", logger="workers.lifecycle"):
         say_goodbye(BatchRunner(dead, RecordingSampler(), "w"))
@@ -265,7 +266,7 @@ def test_backfill_rides_in_the_places_left_and_answers_to_the_feeder(
     assert results == [[ItemOutcome.OK, f"ASKED {i}"] for i in range(10)]
     assert sampler.calls == [[f"asked {i}" for i in range(10)]
                              + [f"offline {line}" for line in range(90)]]  # fmt: skip
-    record = json.loads(aggregator.batch_log.recent(1)[0])
+    record = json.loads(batch_log_of(aggregator).recent(1)[0])
     assert (record["size"], record["backfill"]) == (10, 90)
     found, _ = lanes.collect(1000)
     assert [(d.line, d.answer.text) for d in found] == [(n, f"OFFLINE {n}") for n in range(90)]

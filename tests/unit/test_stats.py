@@ -8,9 +8,9 @@ import statistics
 import pytest
 import redis
 
-from batching import stats
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
+from telemetry import stats
 from tests.support import unique_queue
 
 

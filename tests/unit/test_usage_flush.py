@@ -8,8 +8,8 @@ import time
 
 import redis
 
-from batching import stats
 from batching.outcomes import RequestOutcome
+from telemetry import stats
 from tests.support import unique_queue
 
 # Keys whose usage one flush carries in the timeout test: enough fields that Redis takes far

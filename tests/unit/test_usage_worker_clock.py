@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 
-from batching import stats
 from batching.aggregator import BatchAggregator
 from batching.generation import SampleRequest
+from telemetry import stats
 from tests.support import unique_queue
 from workers.runner import BatchRunner
 from workers.samplers.simulated import SimulatedSampler

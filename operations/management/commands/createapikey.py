@@ -13,7 +13,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 from django.utils.dateparse import parse_date, parse_datetime
 
-from batching import access
+from accounts import access
 from operations.models import ApiKey, Tier
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
-from batching import access
+from accounts import access
 from operations.management.commands.createapikey import budget_amount
 from operations.models import ApiKey, OwnerBudget
 

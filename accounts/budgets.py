@@ -5,7 +5,7 @@ month ends or the budget rises.
 A key's spend is exact: each 200 answer's tokens at its model's price when it answered
 (batching.catalog.Price), in billionths, counted in the web process's statistics and flushed
 once a second; the flush adds it to the month's total per key and model
-(QueueKeys.spend_of_month, batching.flush). Each web process reads those totals for the keys
+(QueueKeys.spend_of_month, telemetry.flush). Each web process reads those totals for the keys
 that have a budget with its key poll (twice a second: one pipeline, a field per budgeted key
 and model; an owner's: every key of the owner), and refuses from memory a key whose total, or
 whose owner's, reached its budget: no Redis call on the request path.
@@ -32,18 +32,18 @@ from decimal import Decimal
 
 import redis
 
+from accounts.access import KEYS, Caller
 from batching import scripts
-from batching.access import KEYS, Caller
 from batching.catalog import Price
-from batching.flush import month_of
 from batching.generation import SampleRequest
 from batching.keys import AccessKeys, QueueKeys
 from batching.topology import REDIS_FAULTS
+from telemetry.flush import month_of
 
 log = logging.getLogger(__name__)
 
 # How long a settled hold stays after the flush that put its spend in the month's totals:
-# two polls of every other process (batching.access.POLL_INTERVAL_S), which then read it.
+# two polls of every other process (accounts.access.POLL_INTERVAL_S), which then read it.
 RELEASE_AFTER_FLUSH_S = 1.0
 # Holds count in windows of this length, the current and the previous one read: a hold lasts
 # at least a window, longer than any request (a policy's deadline is 10 minutes at most) and

@@ -45,8 +45,8 @@ from typing import Any
 
 import redis
 
+from accounts.access import KEYS, Caller
 from batching import scripts
-from batching.access import KEYS, Caller
 from batching.keys import AccessKeys, ShardKeys
 from batching.topology import REDIS_FAULTS
 
@@ -61,15 +61,6 @@ NEAR_FRACTION = 0.75
 COUNT_ITEMS = False
 # A window's counters outlive it by one window: the next window's refusals need only their own.
 COUNTER_TTL_MS = 2 * WINDOW_S * 1000
-
-
-@dataclass(frozen=True)
-class RateCounter:
-    """A request rate counter that an append raises (INCR) in its MULTI; `expire_ms` also
-    sets its expiry (the first raise of a window by this process)."""
-
-    key: str
-    expire_ms: int = 0
 
 
 def window_of(now_s: float) -> int:

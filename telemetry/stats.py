@@ -19,7 +19,7 @@ machines with HINCRBY, so no process needs to know of the others.
   for what was delivered; prompt tokens once per prompt, those answered from the response
   cache also counted apart as cached). `usage_of` reads them back per key. Workers count the
   tokens they sampled per queue (SAMPLED_*): sampled minus delivered is GPU work no client got.
-- A web process's flush is applied once and in Redis's time (batching/flush.py).
+- A web process's flush is applied once and in Redis's time (telemetry/flush.py).
 
 Latencies go into fixed buckets 10% wide, so percentiles of any window are computed from the
 summed histogram, accurate to a few percent.
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import redis
 
-from batching import flush as flushing
 from batching.keys import QueueKeys
 from batching.outcomes import RequestOutcome
+from telemetry import flush as flushing
 
 # Upper bounds (ms) of the latency buckets: 1 ms to ~2 min in 10% steps; one more for above.
 LATENCY_BOUNDS_MS: tuple[float, ...] = tuple(round(1.1**k, 3) for k in range(123))
@@ -69,7 +69,7 @@ CACHED_TOKENS = "cpt"
 SPEND = "spend"
 
 # A model's requests refused at routing because it had no live worker (503s counted as
-# `req:error` too): a capacity signal, apart from the version's own errors (batching.canary).
+# `req:error` too): a capacity signal, apart from the version's own errors (telemetry.canary).
 NO_WORKER = "noworker"
 # A model's offline lines (the Batch API's) answered 200, and failed by the service (5xx).
 OFFLINE_OK = "offline:ok"
@@ -380,7 +380,7 @@ def merge(buckets: Iterable[Mapping[str, int]]) -> Counter[str]:
 @dataclass(frozen=True)
 class Summary:
     """Figures of one window of summed counters; `peak_demand_rps`, where known, the demand
-    rate of the window's busiest stretch (batching.recommendation)."""
+    rate of the window's busiest stretch (telemetry.recommendation)."""
 
     counts: Counter[str]
     seconds: float

@@ -73,9 +73,9 @@ class Caller:
     priority: int
     rpm: int = 0  # requests per minute
     tpm: int = 0  # completion tokens per minute
-    budget_nanos: int = 0  # spend per calendar month (UTC), in billionths (batching.budgets)
+    budget_nanos: int = 0  # spend per calendar month (UTC), in billionths (accounts.budgets)
     # The owner whose monthly budget the key shares with the owner's other keys, and that
-    # budget ("" and 0: none; batching.budgets).
+    # budget ("" and 0: none; accounts.budgets).
     owner: str = ""
     owner_budget_nanos: int = 0
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 import redis
 
-from batching import stats
 from batching.keys import QueueKeys
+from telemetry import stats
 
 # The last batch records kept for operators, tests and the benchmark.
 BATCH_LOG_LENGTH = 1000
@@ -18,13 +18,12 @@ TURN_MS_KEEP_TTLS = 5
 
 
 class BatchLog:
-    """A queue's batch log and turn time. `ttl_ms` is a batch's lifetime (the aggregator's)."""
+    """A queue's batch log and turn time."""
 
-    def __init__(self, client: redis.Redis, queue: str, ttl_ms: int) -> None:
+    def __init__(self, client: redis.Redis, queue: str) -> None:
         self.client = client
         self.queue = queue
         self.keys = QueueKeys(queue)
-        self.ttl_ms = ttl_ms
 
     def queue_record(
         self, pipe: redis.client.Pipeline, record: str, counts: Mapping[str, int], at_s: float
@@ -40,13 +39,14 @@ class BatchLog:
         """The last `count` batches' records (JSON), newest first."""
         return list(self.client.lrange(self.keys.batch_log, 0, count - 1))
 
-    def queue_turn_ms(self, pipe: redis.client.Pipeline, turn_ms: float) -> None:
-        """Queue on `pipe` how long a batch's turn on a GPU takes, for operators."""
-        pipe.set(self.keys.turn_ms, max(1, round(turn_ms)), px=self.ttl_ms * TURN_MS_KEEP_TTLS)
+    def queue_turn_ms(self, pipe: redis.client.Pipeline, turn_ms: float, batch_ttl_ms: int) -> None:
+        """Queue on `pipe` how long a batch's turn on a GPU takes, for operators; it is kept a
+        few batch lifetimes (`batch_ttl_ms`, the aggregator's)."""
+        pipe.set(self.keys.turn_ms, max(1, round(turn_ms)), px=batch_ttl_ms * TURN_MS_KEEP_TTLS)
 
-    def publish_turn_ms(self, turn_ms: float) -> None:
+    def publish_turn_ms(self, turn_ms: float, batch_ttl_ms: int) -> None:
         with self.client.pipeline(transaction=False) as pipe:
-            self.queue_turn_ms(pipe, turn_ms)
+            self.queue_turn_ms(pipe, turn_ms, batch_ttl_ms)
             pipe.execute()
 
     def published_turn_ms(self) -> float:

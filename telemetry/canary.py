@@ -3,7 +3,7 @@ it is looked at.
 
 An alias's target marked as a canary runs a **trial** against the alias's other targets that
 take traffic (its baseline). The trial adds up both sides' statistics one 10-second bucket at a
-time (a `cluster`: batching.stats's buckets, which every web process's counts reach within a
+time (a `cluster`: telemetry.stats's buckets, which every web process's counts reach within a
 second or two). Only quality outcomes count, of the requests that reached a batch:
 - the **late rate**: the share that got a 504 (no answer within the deadline);
 - the **error rate**: the share that ended in a 5xx of the service's own (a failed sampler or
@@ -39,8 +39,8 @@ from typing import Any
 
 import redis
 
-from batching import stats
 from batching.outcomes import RequestOutcome
+from telemetry import stats
 
 # One cluster: a 10-second statistics bucket (kept 2 hours in Redis).
 CLUSTER_S = stats.TEN_SECONDS

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import redis
 
-from batching import stats
-from batching.batch_log import published_turn_ms
 from batching.keys import QueueKeys
 from batching.policy import Policy
 from batching.registry import WorkerRegistry
+from telemetry import stats
+from telemetry.batch_log import published_turn_ms
 
 RECENT_S = 60  # the window of the recommendation (and of the stats page's headline figures)
 PEAK_WINDOW_S = 10  # the recommendation plans for the busiest this many seconds of the window

@@ -13,7 +13,7 @@ of this writer (a random id per process), kept in memory until Redis has applied
 - A count landing in a minute housekeeping already persisted marks that minute dirty, and
   housekeeping writes the minute's totals again (operations/housekeeping.py).
 - A key's spend is also added to its month's total (by the writer's clock's UTC month), in
-  the same script: what the keys' monthly budgets are checked against (batching.budgets).
+  the same script: what the keys' monthly budgets are checked against (accounts.budgets).
 
 At most MAX_UNSENT flushes wait in memory (Redis away that long): beyond, the oldest are
 dropped with an error logged (the loss bound of a Redis outage, docs/guides/usage.md).
@@ -51,7 +51,7 @@ Counts = Mapping[int, Mapping[str, int]]  # second (the writer's clock) -> field
 
 # How long a month's spend totals stay in Redis (the budgets of its keys read them).
 MONTH_TTL_S = 62 * 24 * 3600
-# A key's spend field in the counts ("k:<key id>:spend", batching.stats), which the flush
+# A key's spend field in the counts ("k:<key id>:spend", telemetry.stats), which the flush
 # also adds to its month's total per key (QueueKeys.spend_of_month).
 SPEND_FIELD = re.compile(r"^k:(\d+):spend$")
 
