@@ -37,10 +37,9 @@ task before the running call ends) marks the batch held (`hold`), due for a hand
 after the worker expects to seal it: a worker killed before the seal loses only the batch it
 was running, not the one it held.
 
-Times are the Redis node's (batching.clock), so web and GPU nodes need no shared clock; every
-method that reads the time takes `now_ms`, a set time for tests (None: the node's). Keys come
-from batching.keys. This module knows nothing of Django or models: it takes a redis client (a
-cluster client works alike) and numbers.
+Times are the Redis node's (batching.clock): web and GPU nodes need no shared clock. A method
+that reads the time takes `now_ms`, a set time for tests (None: the node's). It takes a redis
+client (a cluster client works alike) and numbers, and knows nothing of Django or models.
 """
 
 from __future__ import annotations
@@ -67,8 +66,8 @@ from batching.topology import REDIS_FAULTS, is_cluster
 
 log = logging.getLogger(__name__)
 
-# A dispatcher confirms its send within this long, or its batch is handed over; a worker
-# seals a batch it holds within this long after it expected to, or the batch is handed over.
+# A dispatcher confirms its send, and a worker seals a batch it holds after it expected to,
+# within this long, or the batch is handed over.
 DISPATCH_GRACE_MS = 100
 # The hand-over member of a batch that a worker holds (see `hold`), after the batch's id.
 HELD_SUFFIX = ":held"
@@ -86,8 +85,7 @@ ADMISSION_FRESH_S = 0.1
 ADMISSION_REFRESH_S = 0.01
 # A request that finds its batch full joins the next; this many tries, then a RedisError.
 APPEND_ATTEMPTS = 8
-# The scripts of batching/lua/ the aggregator runs (the clock's and the heartbeat's are
-# batching.clock's and batching.registry's).
+# The scripts of batching/lua/ the aggregator runs (the clock's is batching.clock's).
 SCRIPTS = ("close", "seal", "take_due", "admission", "append_items")
 
 
@@ -158,12 +156,9 @@ class BatchAggregator:
 
     def shard_of(self, batch_id: str) -> ShardKeys:
         """The shard whose keys hold the batch (named by the batch id's tag)."""
-        keys = self._shard_of_tag.get(tag_of(batch_id))
-        if keys is None:
-            # An id of another shard layout (SAMPLING_SHARDS changed while it waited), or of
-            # the version before shards: its keys are named by its tag all the same.
-            keys = ShardKeys(tag_of(batch_id) or self.queue)
-        return keys
+        # An id of another shard layout (SAMPLING_SHARDS changed while it waited), or of the
+        # version before shards: its keys are named by its tag all the same.
+        return self._shard_of_tag.get(tag_of(batch_id)) or ShardKeys(tag_of(batch_id) or self.queue)
 
     def shard_of_key(self, key_id: int) -> int:
         """The shard an API key's requests join: always the same one, so that its request
@@ -181,6 +176,7 @@ class BatchAggregator:
         lane: int = 0,
         now_ms: int | None = None,
         stream: bool = False,
+        deadline_ms: int = 0,
     ) -> Ticket:
         """Join the open batch of `lane` (the caller's tier priority) on `shard` (by default
         the next shard in this process's turn) with a bare prompt (the queue's settings) or a
@@ -194,7 +190,9 @@ class BatchAggregator:
         A keyed request names its key (`key_id`, for the workers' token charges) and, when
         the key has a request rate limit, the counter its MULTI raises (`counter`, on the
         shard's slot: see `shard_of_key`); the ticket carries the count after it. A
-        `stream`ing request's item is marked so: its worker publishes its text as it comes."""
+        `stream`ing request's item is marked so: its worker publishes its text as it comes.
+        `budget_ms` is what is left of the request's deadline, `deadline_ms` the whole of it
+        (0: `budget_ms`), which the item carries for its worker's queue time."""
         index = (next(self._turn) if shard is None else shard) % len(self.shards)
         keys = self.shards[index]
         lane_keys = LaneKeys.of(keys, lane)
@@ -207,7 +205,8 @@ class BatchAggregator:
             candidate = keys.batch_id(self._ids.next())
             read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
             pointer = f"{candidate} {redis_ms} {self.max_batch_size}"
-            item = item_of(redis_ms + int(budget_ms), prompt, key_id, stream=stream)
+            expires_at_ms, whole_ms = redis_ms + int(budget_ms), deadline_ms or int(budget_ms)
+            item = item_of(expires_at_ms, prompt, key_id, stream=stream, deadline_ms=whole_ms)
             joined, length, *more = join(
                 self.client, self._cluster, lane_keys, pointer, item, self.ttl_ms,
                 read_admission, counter,
@@ -249,11 +248,12 @@ class BatchAggregator:
         lane: int = 0,
         now_ms: int | None = None,
         stream: bool = False,
+        deadline_ms: int = 0,
     ) -> Joined:
         """A request's items (with their response cache digests, "" for none) appended in one
         round trip by batching/lua/append_items.lua (its cache answers of policy `version`);
         with `limit`, refused, nothing appended, if raising the counter by `cost` passes it;
-        `stream`: the items are marked streaming (see `append`)."""
+        `stream`, `deadline_ms`: as `append`'s."""
         index = (next(self._turn) if shard is None else shard) % len(self.shards)
         keys = self.shards[index]
         lane_keys = LaneKeys.of(keys, lane)
@@ -263,14 +263,16 @@ class BatchAggregator:
             rejected = Ticket("", -1, False, True, int(seen[0]), lane=lane)
             return Joined([rejected] * len(items))
         redis_ms = self.clock.now_ms(keys, now_s) if now_ms is None else now_ms
-        deadline_ms = redis_ms + int(budget_ms)
+        expires_at_ms = redis_ms + int(budget_ms)
+        whole_ms = deadline_ms or int(budget_ms)
         read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
         call = ItemsCall(
             keys.batch_id(self._ids.next()), redis_ms, self.max_batch_size, self.ttl_ms,
             read_admission, counter, cost, limit, version, "" if now_ms is None else str(now_ms),
         )  # fmt: skip
         listed = [
-            (digest, item_of(deadline_ms, item, key_id, digest, stream)) for digest, item in items
+            (digest, item_of(expires_at_ms, item, key_id, digest, stream, whole_ms))
+            for digest, item in items
         ]
         reply = join_items(self._scripts["append_items"], keys, lane_keys, call, listed,
                            DISPATCH_GRACE_MS)  # fmt: skip

@@ -15,6 +15,10 @@ from batching.generation import SampleRequest
 # The mark at the end of a streaming item's head.
 STREAMING = "!"
 STREAMING_BYTES = STREAMING.encode()
+# Between an item's expiry and its request's whole deadline (workers read both from this
+# release on; a web process writes it only once every worker does: see the changelog).
+DEADLINE_MARK = "~"
+DEADLINE_MARK_BYTES = DEADLINE_MARK.encode()
 
 
 @dataclass(frozen=True)
@@ -55,12 +59,20 @@ class Joined:
 
 @dataclass(frozen=True)
 class Item:
-    deadline_ms: int
+    expires_at_ms: int  # when its request's deadline passes, by the Redis node's clock
     prompt: str  # a /sample request's prompt ("" for a request with its own settings)
     request: SampleRequest | None = None  # the prompt and settings of an API request
     key_id: int = 0  # the API key it was sent with (0: anonymous), charged its tokens
     cache: str = ""  # the digest its answer is cached under (batching.cache), "" for none
     stream: bool = False  # its request streams: its new text is published as it is sampled
+    # Its request's whole deadline (ms), counted from its arrival: the arrival is
+    # `expires_at_ms - deadline_ms`. 0: not carried (an item of an older web process).
+    deadline_ms: int = 0
+
+    def arrived_at_ms(self, policy_deadline_ms: int) -> int:
+        """When its request arrived, by the Redis node's clock; an older web process's item
+        says nothing of its deadline, and the policy's (`policy_deadline_ms`) stands in."""
+        return self.expires_at_ms - (self.deadline_ms or policy_deadline_ms)
 
 
 @dataclass(frozen=True)
@@ -106,18 +118,21 @@ class SealedBatch:
 
 
 def item_of(
-    deadline_ms: int,
+    expires_at_ms: int,
     prompt: str | SampleRequest,
     key_id: int = 0,
     cache: str = "",
     stream: bool = False,
+    deadline_ms: int = 0,
 ) -> str:
-    """An item as a pending list holds it: its deadline (Redis ms) and, for a keyed request,
-    "/<key id>", and for a request whose answer is to be cached "/<key id>/<digest>", and for
-    a streaming request STREAMING; then a space and the bare prompt of a /sample request (the
-    queue's settings), or a colon and a request's JSON. (The head starts with the deadline's
-    digits: batching/lua/seal.lua reads them.)"""
-    head = f"{deadline_ms}/{key_id}" if key_id or cache else str(deadline_ms)
+    """An item as a pending list holds it: when it expires (Redis ms), then DEADLINE_MARK and
+    its request's whole deadline (ms; left out when 0), and for a keyed request "/<key id>",
+    and for a request whose answer is to be cached "/<key id>/<digest>", and for a streaming
+    request STREAMING; then a space and the bare prompt of a /sample request (the queue's
+    settings), or a colon and a request's JSON. (The head starts with the expiry's digits:
+    batching/lua/seal.lua reads them.)"""
+    expiry = f"{expires_at_ms}{DEADLINE_MARK}{deadline_ms}" if deadline_ms else str(expires_at_ms)
+    head = f"{expiry}/{key_id}" if key_id or cache else expiry
     if cache:
         head += f"/{cache}"
     if stream:
@@ -134,14 +149,16 @@ def parse_item(raw: bytes) -> Item:
     end = space if sample else colon
     head = raw[:end]
     stream = head.endswith(STREAMING_BYTES)
-    deadline, _, rest = (head[:-1] if stream else head).partition(b"/")
+    expiry, _, rest = (head[:-1] if stream else head).partition(b"/")
+    expires, _, whole = expiry.partition(DEADLINE_MARK_BYTES)
     key, _, digest = rest.partition(b"/")
     key_id, cache = int(key) if key else 0, digest.decode()
+    deadline_ms = int(whole) if whole else 0
     if sample:
         prompt = raw[space + 1 :].decode("utf-8")
-        return Item(int(deadline), prompt, key_id=key_id, cache=cache, stream=stream)
+        return Item(int(expires), prompt, None, key_id, cache, stream, deadline_ms)
     request = SampleRequest.from_json(raw[colon + 1 :])
-    return Item(int(deadline), "", request, key_id, cache, stream)
+    return Item(int(expires), "", request, key_id, cache, stream, deadline_ms)
 
 
 class BatchIds:

@@ -22,6 +22,7 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from accounts.access import Caller
+from batching.deadline import Deadline
 from batching.generation import SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
@@ -122,11 +123,11 @@ def _generate(
 ) -> Handled:
     """A validated request's items through its model's batches, and its answer (or error):
     the response names the model that served it (an alias's target)."""
-    deadline = arrival + policy.deadline_ms / 1000
+    deadline = Deadline(arrival, policy.deadline_ms)
     if parsed.stream:
-        return _stream(request, found, caller, policy, items, parsed, echoed, deadline, chat=chat)
+        return _stream(request, found, caller, items, parsed, echoed, deadline, chat=chat)
     sticky = sticky_of(caller, parsed.user)
-    found, answers = submitted(found, caller, items, arrival, policy.deadline_ms, sticky)
+    found, answers = submitted(found, caller, items, deadline, sticky)
     model = found.served
     if isinstance(answers, Failure):
         return Handled(answers.outcome, answer_failure(openai_failure, answers), model)
@@ -142,24 +143,21 @@ def _stream(
     request: HttpRequest,
     found: Route,
     caller: Caller,
-    policy: Policy,
     items: list[SampleRequest],
     parsed: schemas._Settings,
     echoed: list[str] | None,
-    deadline: float,
+    deadline: Deadline,
     *,
     chat: bool,
 ) -> Handled:
     """A `stream`ing request: joined as any, then answered by events as its text comes."""
     model = found.served
-    entered = enter(
-        model, caller, items, deadline, policy.deadline_ms, stream=True, price=found.entry.price
-    )
+    entered = enter(model, caller, items, deadline, stream=True, price=found.entry.price)
     if isinstance(entered, Failure):
         return Handled(entered.outcome, answer_failure(openai_failure, entered), model)
     ends = Ends.of(request, model, caller, found.entry.price, parsed.n)
     response, stream = completion_stream(
-        model.name, ends, parsed, entered, echoed, deadline, policy.deadline_ms, chat=chat
+        model.name, ends, parsed, entered, echoed, deadline, chat=chat
     )
     return Handled(RequestOutcome.OK, response, model, stream)
 
@@ -276,8 +274,8 @@ def _inference(
         check_size(parsed.input, policy, "input")
     except Invalid as invalid:
         return Handled(RequestOutcome.BAD_REQUEST, inference_invalid(invalid))
-    answers = submit(model, caller, [parsed.input], arrival + policy.deadline_ms / 1000,
-                     policy.deadline_ms, price=found.entry.price)  # fmt: skip
+    deadline = Deadline(arrival, policy.deadline_ms)
+    answers = submit(model, caller, [parsed.input], deadline, price=found.entry.price)
     if isinstance(answers, Failure):
         return Handled(answers.outcome, _inference_failure(answers, request_id), model)
     charge(model.stats, caller, answers, found.entry.price)

@@ -12,6 +12,7 @@ from django.http import HttpRequest
 
 from accounts.access import Caller
 from batching.catalog import EMBEDDER
+from batching.deadline import Deadline
 from batching.embeddings import decode
 from batching.generation import SampleRequest
 from batching.outcomes import RequestOutcome
@@ -41,11 +42,10 @@ def _embeddings(
     except Invalid as invalid:
         return Handled(RequestOutcome.BAD_REQUEST, openai_invalid(invalid))
     model = found.served
-    deadline_ms = policy.deadline_ms
     # A text's UTF-8 bytes bound its tokens: what a key with a tokens limit reserves.
     reserve = sum(len(text.encode()) for text in texts)
-    answers = submit(model, caller, items, arrival + deadline_ms / 1000, deadline_ms,
-                     price=found.entry.price, reserve=reserve)  # fmt: skip
+    deadline = Deadline(arrival, policy.deadline_ms)
+    answers = submit(model, caller, items, deadline, price=found.entry.price, reserve=reserve)
     if isinstance(answers, Failure):
         return Handled(answers.outcome, answer_failure(openai_failure, answers), model)
     tokens = charge(model.stats, caller, answers, found.entry.price, embedding=True)

@@ -33,6 +33,7 @@ from django.http import HttpRequest, StreamingHttpResponse
 from accounts.access import Caller
 from batching.answers import Answer
 from batching.catalog import Price
+from batching.deadline import Deadline
 from batching.deltas import Feed
 from batching.items import Ticket
 from batching.outcomes import RequestOutcome
@@ -215,8 +216,7 @@ def completion_stream(
     parsed: schemas._Settings,
     entered: Entered,
     echoed: list[str] | None,
-    deadline: float,
-    deadline_ms: int,
+    deadline: Deadline,
     *,
     chat: bool,
 ) -> tuple[StreamingHttpResponse, Stream]:
@@ -225,16 +225,16 @@ def completion_stream(
     before the server first asks for an event is kept, not lost."""
     include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
     events = _Events(_Chunks(model, chat), ends, include_usage, entered, echoed, parsed.n,
-                     deadline, deadline_ms)  # fmt: skip
+                     deadline)  # fmt: skip
     return _response(events), events.stream
 
 
 def text_stream(
-    ends: Ends, entered: Entered, deadline: float, deadline_ms: int
+    ends: Ends, entered: Entered, deadline: Deadline
 ) -> tuple[StreamingHttpResponse, Stream]:
     """/sample's streaming response (`?stream=1`): its one prompt's text as it comes, plain,
     in chunked transfer (`curl -N`)."""
-    events = _Events(_Text(), ends, False, entered, None, 1, deadline, deadline_ms)
+    events = _Events(_Text(), ends, False, entered, None, 1, deadline)
     return _response(events), events.stream
 
 
@@ -260,12 +260,11 @@ class _Events:
         entered: Entered,
         echoed: list[str] | None,
         n: int,
-        deadline: float,
-        deadline_ms: int,
+        deadline: Deadline,
     ) -> None:
         self.chunks, self.ends, self.include_usage = chunks, ends, include_usage
         self.entered, self.echoed, self.n = entered, echoed, n
-        self.deadline, self.deadline_ms = deadline, deadline_ms
+        self.deadline = deadline
         self.stream = Stream()
         tickets = entered.tickets
         self.listener = _listener()
@@ -275,7 +274,6 @@ class _Events:
         self.charged = False
         self.gapped = [False] * len(tickets)
         self.answers: list[Answer | None] = [None] * len(tickets)
-        self.arrival = deadline - deadline_ms / 1000  # monotonic
         self.first_at = 0.0  # when its first content chunk went (monotonic; 0: none yet)
         self.last_at = [0.0] * len(tickets)  # each choice's last content chunk
         self._events = self._written()
@@ -295,7 +293,7 @@ class _Events:
         self.listener.close_feed(self.feed)
         if not self.charged:  # and its tokens reservation settled to them
             self.ends.charge_tokens(self._delivered(), self.entered.answers)
-        metrics.record_stream_end(time.monotonic() - self.arrival)
+        metrics.record_stream_end(time.monotonic() - self.deadline.arrival)
         if self.stream.outcome is RequestOutcome.CANCELLED:
             tickets = self.entered.tickets
             left = [t for t, answer in zip(tickets, self.answers, strict=True) if answer is None]
@@ -318,11 +316,11 @@ class _Events:
                     return
                 if all(answer is not None for answer in self.answers):
                     break
-                remaining = self.deadline - time.monotonic()
+                remaining = self.deadline.expires - time.monotonic()
                 if self.ends.left():
                     return
                 if remaining <= 0:
-                    message = f"no completion within the {self.deadline_ms} ms deadline"
+                    message = f"no completion within the {self.deadline.deadline_ms} ms deadline"
                     failure = Failure(Problem.DEADLINE, message)
                     self.stream.outcome = failure.outcome
                     yield chunks.error(failure)
@@ -380,7 +378,7 @@ class _Events:
         now = time.monotonic()
         if not self.first_at:
             self.first_at = now
-            self.ends.timed(True, now - self.arrival)
+            self.ends.timed(True, now - self.deadline.arrival)
         elif self.last_at[choice]:
             self.ends.timed(False, now - self.last_at[choice])
         self.last_at[choice] = now
@@ -390,8 +388,7 @@ class _Events:
         for choice, ticket in enumerate(self.entered.tickets):
             if self.answers[choice] is not None:
                 continue
-            found = _ready(self.feed, ticket.batch_id, ticket.index, ticket.cached,
-                           self.deadline_ms)  # fmt: skip
+            found = _ready(self.feed, ticket.batch_id, ticket.index, ticket.cached, self.deadline)
             if isinstance(found, Failure):
                 return found
             if found is None:
@@ -406,7 +403,7 @@ class _Events:
 
 
 def _ready(
-    feed: Feed, batch_id: str, index: int, cached: bytes | None, deadline_ms: int
+    feed: Feed, batch_id: str, index: int, cached: bytes | None, deadline: Deadline
 ) -> Answer | Failure | None:
     """A choice's answer once its batch has answered (or the response cache did), or what
     failed it; None while it runs."""
@@ -423,4 +420,4 @@ def _ready(
         if isinstance(found, Failure):
             return found
         answer = found
-    return failure_of(answer, deadline_ms) or answer
+    return failure_of(answer, deadline) or answer

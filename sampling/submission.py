@@ -28,6 +28,7 @@ from batching import cache
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer, to_wire
 from batching.catalog import Price
+from batching.deadline import Deadline
 from batching.generation import SampleRequest
 from batching.items import Joined, Ticket
 from batching.join import AppendCounter
@@ -164,23 +165,22 @@ def submit(
     process: RequestPath,
     caller: Caller,
     items: Sequence[str | SampleRequest],
-    deadline: float,
-    deadline_ms: int,
+    deadline: Deadline,
     *,
     price: Price | None = None,
     reserve: int | None = None,
 ) -> Answers | Failure:
     """Every item's answer (each a completion, in order), or why the request gets none.
-    `deadline` is monotonic; `deadline_ms` the policy's, for messages; `price` and `reserve`:
-    as enter's. A failure settles the request's reservation and budget hold to nothing."""
-    entered = enter(process, caller, items, deadline, deadline_ms, price=price, reserve=reserve)
+    `price` and `reserve`: as enter's. A failure settles the request's reservation and budget
+    hold to nothing."""
+    entered = enter(process, caller, items, deadline, price=price, reserve=reserve)
     if isinstance(entered, Failure):
         return entered
     answers = entered.answers
     batches: dict[str, list[Any]] = {}  # several items may share a batch: read once
     for ticket in entered.tickets:
-        answer = _wait(ticket, batches, deadline, deadline_ms)
-        failure = answer if isinstance(answer, Failure) else failure_of(answer, deadline_ms)
+        answer = _wait(ticket, batches, deadline)
+        failure = answer if isinstance(answer, Failure) else failure_of(answer, deadline)
         if failure is not None:
             answers.settle(0, 0)
             return failure
@@ -193,8 +193,7 @@ def enter(
     process: RequestPath,
     caller: Caller,
     items: Sequence[str | SampleRequest],
-    deadline: float,
-    deadline_ms: int,
+    deadline: Deadline,
     *,
     stream: bool = False,
     price: Price | None = None,
@@ -215,7 +214,7 @@ def enter(
     queue = process.aggregator.queue
     digests = [cache.digest_of(queue, item, policy, caller.key_id) for item in items]
     if not any(digests):  # the response cache may answer a request without a call
-        too_late = _too_late(process, deadline, deadline_ms)
+        too_late = _too_late(process, deadline)
         if too_late is not None:
             return too_late
     answers = Answers()
@@ -229,7 +228,7 @@ def enter(
         return hold
     answers.hold = hold
     joining = list(zip(digests, items, strict=True))
-    tickets = _join(process, caller, joining, policy.version, deadline, deadline_ms, stream)
+    tickets = _join(process, caller, joining, policy.version, deadline, stream)
     if isinstance(tickets, Failure):
         answers.settle(0, 0)
         return tickets
@@ -245,17 +244,17 @@ def enter(
     return Entered(tickets, answers)
 
 
-def _too_late(process: RequestPath, deadline: float, deadline_ms: int) -> Failure | None:
+def _too_late(process: RequestPath, deadline: Deadline) -> Failure | None:
     """The refusal of a request with less of its deadline left than its model's least work
     (sampling.shedding.QuickestAnswers): it would end 504."""
-    left_ms = int((deadline - time.monotonic()) * 1000)
-    least_ms = process.quickest.least_work_ms(deadline_ms)
+    left_ms = deadline.remaining_ms()
+    least_ms = process.quickest.least_work_ms(deadline.deadline_ms)
     if left_ms >= least_ms:
         return None
     return Failure(
         Problem.OVERLOADED,
         f"overloaded: predicted {least_ms:.0f} ms at least (this model's quickest recent "
-        f"answers), more than the {left_ms} ms left of the {deadline_ms} ms deadline",
+        f"answers), more than the {left_ms} ms left of the {deadline.deadline_ms} ms deadline",
         1,
     )
 
@@ -335,8 +334,7 @@ def _join(
     caller: Caller,
     items: list[tuple[str, str | SampleRequest]],
     version: int,
-    deadline: float,
-    deadline_ms: int,
+    deadline: Deadline,
     stream: bool = False,
 ) -> list[Ticket] | Failure:
     """Each item (with its cache digest) appended to its shard's open batch in one call, the
@@ -351,18 +349,20 @@ def _join(
     counter = (
         AppendCounter(counter_key, limiter.needs_expiry(caller, now_s)) if counter_key else None
     )
-    budget_ms = int((deadline - time.monotonic()) * 1000)
+    budget_ms = deadline.remaining_ms()
+    whole_ms = deadline.deadline_ms
     try:
         if len(items) == 1 and not items[0][0] and not limiter.near(caller, cost, now_s):
             ticket = aggregator.append(
                 items[0][1], budget_ms, shard, key_id=caller.key_id, counter=counter,
-                lane=caller.priority, stream=stream,
+                lane=caller.priority, stream=stream, deadline_ms=whole_ms,
             )  # fmt: skip
             joined = Joined([ticket], ticket.counted)
         else:
             joined = aggregator.append_items(
                 items, budget_ms, shard, key_id=caller.key_id, counter=counter, cost=cost,
                 limit=caller.rpm, version=version, lane=caller.priority, stream=stream,
+                deadline_ms=whole_ms,
             )  # fmt: skip
     except Exception as exc:  # any failure of the join's round trip: a 503
         # Not only RedisError: redis-py's cluster client raises RedisClusterException
@@ -376,7 +376,7 @@ def _join(
         predicted_ms = joined.tickets[0].predicted_ms
         return Failure(
             Problem.OVERLOADED,
-            f"overloaded: predicted {predicted_ms} ms exceeds the {deadline_ms} ms deadline",
+            f"overloaded: predicted {predicted_ms} ms exceeds the {whole_ms} ms deadline",
             max(1, math.ceil(predicted_ms / 1000)),
         )
     if counter is not None and joined.counted:
@@ -396,9 +396,7 @@ def _limited(limited: Limited) -> Failure:
     return Failure(Problem.RATE_LIMITED, limited.message, limited.retry_after_s)
 
 
-def _wait(
-    ticket: Ticket, batches: dict[str, list[Any]], deadline: float, deadline_ms: int
-) -> Answer | Failure:
+def _wait(ticket: Ticket, batches: dict[str, list[Any]], deadline: Deadline) -> Answer | Failure:
     """The ticket's answer: from the response cache, or from its batch's result (read once
     per batch into `batches`, and only its own item decoded), within what is left of the
     deadline."""
@@ -408,11 +406,13 @@ def _wait(
         results = batches.get(ticket.batch_id)
         if results is None:
             results = batches[ticket.batch_id] = celery_app.AsyncResult(ticket.batch_id).get(
-                timeout=max(0.0, deadline - time.monotonic())
+                timeout=deadline.remaining_s()
             )
         return Answer.from_wire(results[ticket.index])
     except CeleryTimeoutError:
-        return Failure(Problem.DEADLINE, f"no completion within the {deadline_ms} ms deadline")
+        return Failure(
+            Problem.DEADLINE, f"no completion within the {deadline.deadline_ms} ms deadline"
+        )
     except REDIS_FAULTS as exc:  # the batch's Redis node went down while it waited
         log.error("batch %s: its results cannot arrive: %s", ticket.batch_id, exc)
         return unavailable()
@@ -421,13 +421,13 @@ def _wait(
         return Failure(Problem.SAMPLER_FAILED, "the sampler failed for this batch")
 
 
-def failure_of(answer: Answer, deadline_ms: int) -> Failure | None:
+def failure_of(answer: Answer, deadline: Deadline) -> Failure | None:
     """The request's failure when one of its items got no completion."""
     problem = answer.problem
     if problem is None:
         return None
     if problem is Problem.DEADLINE:
-        message = f"no completion within the {deadline_ms} ms deadline ({answer.text})"
+        message = f"no completion within the {deadline.deadline_ms} ms deadline ({answer.text})"
     elif problem is Problem.PROMPT_REJECTED:
         message = f"prompt rejected by the model: {answer.text}"
     elif problem is Problem.UNAVAILABLE:

@@ -16,6 +16,7 @@ from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from accounts.access import Caller
+from batching.deadline import Deadline
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure
 from batching.topology import REDIS_FAULTS
@@ -70,12 +71,11 @@ def _sample(request: HttpRequest, process: WebProcess, arrival: float, caller: C
     except UnicodeDecodeError as exc:
         return _bad(_reason(400, f"prompt is not valid UTF-8 (byte {exc.start})"), model)
 
-    deadline_ms = policy.deadline_ms
-    deadline = arrival + deadline_ms / 1000
+    deadline = Deadline(arrival, policy.deadline_ms)
     if request.GET.get("stream") in STREAM_VALUES:
-        return _stream(request, found, caller, prompt, deadline, deadline_ms)
+        return _stream(request, found, caller, prompt, deadline)
     sticky = sticky_of(caller, None)
-    found, answers = submitted(found, caller, [prompt], arrival, deadline_ms, sticky)
+    found, answers = submitted(found, caller, [prompt], deadline, sticky)
     model = found.served
     if isinstance(answers, Failure):
         return Handled(answers.outcome, answer_failure(_failure, answers), model)
@@ -84,18 +84,15 @@ def _sample(request: HttpRequest, process: WebProcess, arrival: float, caller: C
 
 
 def _stream(
-    request: HttpRequest, found: Route, caller: Caller, prompt: str, deadline: float,
-    deadline_ms: int,
-) -> Handled:  # fmt: skip
+    request: HttpRequest, found: Route, caller: Caller, prompt: str, deadline: Deadline
+) -> Handled:
     """`?stream=1`: the prompt's text as it is sampled, plain, chunked (sampling.streams)."""
     model = found.served
-    entered = enter(
-        model, caller, [prompt], deadline, deadline_ms, stream=True, price=found.entry.price
-    )
+    entered = enter(model, caller, [prompt], deadline, stream=True, price=found.entry.price)
     if isinstance(entered, Failure):
         return Handled(entered.outcome, answer_failure(_failure, entered), model)
     ends = Ends.of(request, model, caller, found.entry.price)
-    response, stream = text_stream(ends, entered, deadline, deadline_ms)
+    response, stream = text_stream(ends, entered, deadline)
     return Handled(RequestOutcome.OK, response, model, stream)
 
 

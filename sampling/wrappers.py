@@ -27,6 +27,7 @@ from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
 from accounts.access import Caller
+from batching.deadline import Deadline
 from batching.generation import SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem
@@ -186,24 +187,20 @@ def submitted(
     found: Route,
     caller: Caller,
     items: Sequence[str | SampleRequest],
-    arrival: float,
-    deadline_ms: int,
+    deadline: Deadline,
     sticky: str,
 ) -> tuple[Route, Answers | Failure]:
     """A request's items through its model's batches, and the route that answered. Through
     an alias, a failure before any text reached the client is sent once more, within the
     same deadline, to the caller's next choice among the other targets (routing.fallback)."""
-    deadline = arrival + deadline_ms / 1000
-    answers = submit(found.served, caller, items, deadline, deadline_ms, price=found.entry.price)
+    answers = submit(found.served, caller, items, deadline, price=found.entry.price)
     if not isinstance(answers, Failure):
         return found, answers
     other = fallback(web_process(), found, answers, sticky)
-    if other is None or time.monotonic() >= deadline:
+    if other is None or deadline.passed():
         return found, answers
-    count_retried(found.served, arrival, answers)
-    return other, submit(
-        other.served, caller, items, deadline, deadline_ms, price=other.entry.price
-    )
+    count_retried(found.served, deadline.arrival, answers)
+    return other, submit(other.served, caller, items, deadline, price=other.entry.price)
 
 
 def count_retried(model: ServedModel, arrival: float, failure: Failure) -> None:

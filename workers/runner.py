@@ -226,7 +226,7 @@ class BatchRunner:
         results: dict[int, Answer] = {}
         live: list[int] = []
         for index, item in enumerate(sealed.items):
-            if item.deadline_ms < cutoff:
+            if item.expires_at_ms < cutoff:
                 results[index] = Answer(ItemOutcome.EXPIRED, "deadline could not be met")
             elif index in cancelled:
                 results[index] = Answer(ItemOutcome.CANCELLED, "the client left")

@@ -118,15 +118,14 @@ class Turn:
         return self.sealed.now_ms + round((self.called - self.began) * 1000)
 
     def queue_times_ms(self, call_started_ms: int | None) -> list[float]:
-        """Each called item's queue time: from its request's arrival (its deadline less the
-        policy's deadline, which its web process counted from the arrival) to its call's
-        start, both by the Redis node's clock. A turn of several calls counts from its
-        first."""
+        """Each called item's queue time: from its request's arrival (its expiry less the
+        deadline it carries) to its call's start, both by the Redis node's clock. A turn of
+        several calls counts from its first."""
         if call_started_ms is None:
             return []
-        deadline_ms = self.policy.deadline_ms
+        policy_ms = self.policy.deadline_ms  # for an older web process's items only
         return [
-            max(0.0, call_started_ms - (item.deadline_ms - deadline_ms))
+            max(0.0, call_started_ms - item.arrived_at_ms(policy_ms))
             for item, answer in zip(self.sealed.items, self.in_order, strict=True)
             if answer.outcome not in _NOT_CALLED
         ]

@@ -40,13 +40,17 @@ def test_first_append_opens_and_later_ones_join(aggregator: BatchAggregator) -> 
     assert not sealed.sealed_before
 
 
-def test_an_item_holds_its_deadline_and_prompt_only(aggregator: BatchAggregator) -> None:
+def test_an_item_holds_its_expiry_deadline_and_prompt_only(aggregator: BatchAggregator) -> None:
     """Nothing per request is stored that no one reads (a request id was, once)."""
-    ticket = aggregator.append("a prompt", 500)
+    ticket = aggregator.append("a prompt", 400, deadline_ms=500)
     (raw,) = aggregator.client.lrange(aggregator.shards[0].pending, 0, -1)
-    deadline, prompt = raw.split(b" ", 1)
+    head, prompt = raw.split(b" ", 1)
     assert prompt == b"a prompt"
-    assert int(deadline) == aggregator.seal(ticket.batch_id).items[0].deadline_ms
+    expires, whole = head.split(b"~")
+    item = aggregator.seal(ticket.batch_id).items[0]
+    assert (int(expires), int(whole)) == (item.expires_at_ms, item.deadline_ms)
+    assert item.deadline_ms == 500  # the whole deadline, though 400 ms were left
+    assert item.arrived_at_ms(policy_deadline_ms=9999) == item.expires_at_ms - 500
 
 
 def test_full_batch_closes_in_the_same_call(redis_client: redis.Redis) -> None:

@@ -29,11 +29,11 @@ def test_an_item_says_whether_it_streams(
     for stream in (False, True):
         raw = item_of(1234, prompt, key_id, cache, stream).encode()
         item = parse_item(raw)
-        assert (item.deadline_ms, item.key_id, item.cache, item.stream) == (
+        assert (item.expires_at_ms, item.key_id, item.cache, item.stream) == (
             1234, key_id, cache, stream,
         )  # fmt: skip
         assert item.request == (prompt if isinstance(prompt, SampleRequest) else None)
-        assert raw.startswith(b"1234")  # batching/lua/seal.lua reads the deadline's digits
+        assert raw.startswith(b"1234")  # batching/lua/seal.lua reads the expiry's digits
 
 
 def test_a_delta_message_round_trips_and_is_told_from_an_answer() -> None:

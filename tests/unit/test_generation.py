@@ -44,7 +44,7 @@ def test_a_request_survives_its_wire_format() -> None:
     for request in requests:
         assert SampleRequest.from_json(request.to_json()) == request
         parsed = parse_item(item_of(1234, request).encode())
-        assert (parsed.deadline_ms, parsed.prompt, parsed.request) == (1234, "", request)
+        assert (parsed.expires_at_ms, parsed.prompt, parsed.request) == (1234, "", request)
 
 
 def test_a_sample_prompt_keeps_its_bare_format_whatever_it_contains() -> None:
@@ -52,7 +52,7 @@ def test_a_sample_prompt_keeps_its_bare_format_whatever_it_contains() -> None:
         item = item_of(99, prompt)
         assert item == f"99 {prompt}"
         parsed = parse_item(item.encode())
-        assert (parsed.deadline_ms, parsed.prompt, parsed.request) == (99, prompt, None)
+        assert (parsed.expires_at_ms, parsed.prompt, parsed.request) == (99, prompt, None)
 
 
 def test_unset_settings_are_the_queue_s_and_max_tokens_is_bounded_by_it() -> None:
