@@ -27,7 +27,7 @@ from batching.generation import cut_at_stop
 class StreamSink(Protocol):
     """Where a streaming row's new text goes: its index in the call, the text to append, and
     where the sampler counts them, its tokens so far (prompt, completion): what a stream its
-    client cuts is charged (sampling.streams). It returns True once the row's client has
+    client cuts is charged (serving.streams). It returns True once the row's client has
     left: the sampler then stops decoding that row."""
 
     def __call__(

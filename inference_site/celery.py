@@ -1,8 +1,8 @@
 """The Celery app's entry point (`celery -A inference_site`): the app itself lives with the
-request path, its main user (sampling.broker)."""
+request path, its main user (serving.broker)."""
 
 from __future__ import annotations
 
-from sampling.broker import app
+from serving.broker import app
 
 __all__ = ("app",)

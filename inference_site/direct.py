@@ -39,7 +39,7 @@ from django.urls import resolve
 from inference_site.prometheus import record_direct
 
 # The views that need nothing of Django's middleware: every one is a csrf_exempt view of the
-# API (sampling.wrappers.counted), which reads no session, user or message.
+# API (serving.wrappers.counted), which reads no session, user or message.
 DIRECT_PATHS = ("/sample", "/v1/completions", "/v1/chat/completions", "/api/inference")
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]

@@ -59,14 +59,14 @@ def child_exit(server: object, worker: object) -> None:
 def worker_exit(server: object, worker: object) -> None:
     """In each web process as it leaves (SIGTERM: after its requests ended): its last counts
     (the keys' usage among them) flushed to Redis, not lost with it."""
-    from sampling.runtime import flush_on_exit
+    from serving.runtime import flush_on_exit
 
     flush_on_exit()
 
 
 def post_worker_init(worker: object) -> None:
     """In each web process, after gevent's patching: connect before the first request."""
-    from sampling.runtime import warm_up
+    from serving.runtime import warm_up
 
     warm_up()
     # For whoever started gunicorn and waits for every process, not just the first one that

@@ -382,7 +382,7 @@ SAMPLING_CANARY_FALSE_ROLLBACK_PERCENT = env_float(
 SAMPLING_CANARY_RAMP_EVERY_S = env_int(
     "SAMPLING_CANARY_RAMP_EVERY_S", canary.RAMP_EVERY_S, minimum=10, maximum=7 * 24 * 3600
 )
-# Failover among an alias's targets (sampling.routing): a target with no live worker, or
+# Failover among an alias's targets (serving.routing): a target with no live worker, or
 # cooling down after failing requests in a row, gets no new requests while another is usable.
 SAMPLING_ALIAS_FAILOVER = env_bool("SAMPLING_ALIAS_FAILOVER", True)
 # A request through an alias whose target failed it before any text reached the client (a
@@ -402,7 +402,7 @@ SAMPLING_STATS_FLUSH_INTERVAL_S = env_float(
     "SAMPLING_STATS_FLUSH_INTERVAL_S", 1.0, minimum=0.1, maximum=3600
 )
 
-# --- Celery (read by sampling/broker.py with the CELERY_ namespace) -----------------------
+# --- Celery (read by serving/broker.py with the CELERY_ namespace) -----------------------
 # The broker carries one message per batch: REDIS_URL unless set apart. It is never a cluster
 # (kombu's Redis transport does not support one); a plain Redis beside the cluster does.
 CELERY_BROKER_URL = with_password(env_str("CELERY_BROKER_URL", REDIS_URL), _REDIS_PASSWORD)

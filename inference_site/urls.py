@@ -10,10 +10,10 @@ urlpatterns = [
     # Before the admin's own URLs, which would take every path under admin/.
     path("admin/stats/", admin.site.admin_view(stats_page), name="sampling-stats"),
     path("admin/", admin.site.urls),
-    # Before the API's catch-all for unknown /v1/ paths (sampling.urls): it reads the database.
+    # Before the API's catch-all for unknown /v1/ paths (serving.urls): it reads the database.
     path("v1/usage", usage_view, name="v1-usage"),
     path("", include("offline.urls")),  # files and batches: offline jobs
-    path("", include("sampling.urls")),
+    path("", include("serving.urls")),
 ]
 
-handler400 = "sampling.views.bad_request"
+handler400 = "serving.views.bad_request"

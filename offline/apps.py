@@ -13,6 +13,6 @@ class OfflineConfig(AppConfig):
     def ready(self) -> None:
         # The feeder is a process of its own: `python manage.py runfeeder` (offline.feeder).
         from offline import openapi
-        from sampling.openapi import DocumentPart, register_part
+        from serving.openapi import DocumentPart, register_part
 
         register_part(DocumentPart(openapi.paths, openapi.VALIDATED, openapi.SERIALIZED))

@@ -9,7 +9,7 @@ import logging
 
 from batching.keys import QueueKeys
 from batching.topology import REDIS_FAULTS
-from sampling.runtime import web_process
+from serving.runtime import web_process
 
 log = logging.getLogger(__name__)
 

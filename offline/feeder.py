@@ -56,8 +56,8 @@ from offline.feeding import collect, feed
 from offline.lines import kind_of
 from offline.models import Job, JobLine, Status
 from offline.standing import affordable, fail_unanswered, refusal_of
-from sampling.routing import key_sticky
-from sampling.runtime import ServedModel, WebProcess, flush_on_exit, web_process
+from serving.routing import key_sticky
+from serving.runtime import ServedModel, WebProcess, flush_on_exit, web_process
 
 log = logging.getLogger(__name__)
 

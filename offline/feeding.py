@@ -22,8 +22,8 @@ from offline.lines import (
     request_of,
 )
 from offline.models import Job, JobLine, Status
-from sampling.responses import Invalid
-from sampling.runtime import ServedModel
+from serving.responses import Invalid
+from serving.runtime import ServedModel
 
 # Answers collected per shard and run at most.
 COLLECT_AT_MOST = 5000

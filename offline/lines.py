@@ -2,7 +2,7 @@
 lane (batching.backfill), and once answered, shaped as the endpoint answers interactively.
 
 A line is `{"custom_id": ..., "method": "POST", "url": <the job's endpoint>, "body": {...}}`.
-Its body is checked as the endpoint checks a request (sampling.validation); a line the
+Its body is checked as the endpoint checks a request (serving.validation); a line the
 endpoint would refuse is answered as it would be (a 400 in the error file) and never reaches
 a GPU. A line is one completion, or one embedding: `n` above 1, several prompts or inputs,
 `echo`, `stream` and base64 embeddings are refused.
@@ -26,11 +26,11 @@ from batching.generation import SampleRequest
 from batching.outcomes import ItemOutcome
 from batching.policy import Policy
 from batching.problems import Failure
-from sampling import schemas
-from sampling.completions import completion_body
-from sampling.responses import Invalid
-from sampling.submission import Tokens
-from sampling.validation import check_settings, check_size, parse, sample_requests
+from serving import schemas
+from serving.completions import completion_body
+from serving.responses import Invalid
+from serving.submission import Tokens
+from serving.validation import check_settings, check_size, parse, sample_requests
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -1,4 +1,4 @@
-"""The Files and Batch APIs' part of the OpenAPI document (sampling.openapi asks for it:
+"""The Files and Batch APIs' part of the OpenAPI document (serving.openapi asks for it:
 offline.apps registers it)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from offline import schemas
-from sampling.openapi import errors, ok, request_body
-from sampling.schemas import ErrorResponse
+from serving.openapi import errors, ok, request_body
+from serving.schemas import ErrorResponse
 
 SERIALIZED: tuple[type[BaseModel], ...] = (
     schemas.FileObject,

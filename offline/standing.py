@@ -20,7 +20,7 @@ from batching.problems import Failure, Problem
 from offline import charges
 from offline.lines import failed
 from offline.models import Job, JobLine
-from sampling.runtime import WebProcess
+from serving.runtime import WebProcess
 
 # Lines failed in one transaction.
 STEP = 500

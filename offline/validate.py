@@ -34,9 +34,9 @@ from offline.lines import (
     refused,
 )
 from offline.models import Job, JobLine, Status
-from sampling.responses import Invalid
-from sampling.routing import key_sticky
-from sampling.runtime import WebProcess
+from serving.responses import Invalid
+from serving.routing import key_sticky
+from serving.runtime import WebProcess
 
 log = logging.getLogger(__name__)
 

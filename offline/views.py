@@ -27,10 +27,10 @@ from batching.problems import Failure, Problem
 from offline.lines import ENDPOINTS, count_lines, storable
 from offline.models import Job, Purpose, Status, StoredFile
 from offline.uploads import receive_beside_the_files
-from sampling.blocking import off_the_loop
-from sampling.responses import Invalid, json_response
-from sampling.runtime import web_process
-from sampling.wrappers import openai_endpoint
+from serving.blocking import off_the_loop
+from serving.responses import Invalid, json_response
+from serving.runtime import web_process
+from serving.wrappers import openai_endpoint
 
 # Every endpoint here: its objects belong to a key.
 keyed = functools.partial(openai_endpoint, key_for="files and batches belong to an API key")

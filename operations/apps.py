@@ -20,7 +20,7 @@ class OperationsConfig(AppConfig):
         # request path (sampling) knows nothing of this app, so the app registers itself.
         from operations import canary, housekeeping
         from operations.models import republish_missing_access
-        from sampling.runtime import register_access_republisher, register_background_job
+        from serving.runtime import register_access_republisher, register_background_job
 
         register_background_job(housekeeping.run)
         register_background_job(canary.run)

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 ROLLBACK = "canary rollback"
 RAMP = "canary ramp"
 # One judgement per this long at most, whatever the processes and models: each process runs
-# its background jobs every 10 s (sampling.runtime), so a canary is judged every 5 to 10 s.
+# its background jobs every 10 s (serving.runtime), so a canary is judged every 5 to 10 s.
 JUDGE_EVERY_MS = 5000
 # A cluster is counted this long after it ends: every web process has flushed into it.
 FLUSH_LAG_S = 3
@@ -57,7 +57,7 @@ def rule() -> canary.Rule:
 
 
 def run(client: redis.Redis, queue: str, current: Policy) -> None:
-    """The background job (its signature: sampling.runtime.BackgroundJob): the first process
+    """The background job (its signature: serving.runtime.BackgroundJob): the first process
     to take the lock in each interval judges every canary."""
     if not client.set(CANARY_LOCK_KEY, queue, nx=True, px=JUDGE_EVERY_MS):
         return

@@ -1,5 +1,5 @@
 """Off the request path, every few seconds in each web process (a background job of
-sampling.runtime, registered by operations.apps).
+serving.runtime, registered by operations.apps).
 
 1. The policy in Redis follows the database: republished when Redis lost it (a restart) or
    missed a save (Redis was down at the time).

@@ -30,7 +30,7 @@ from accounts.budgets import budget_nanos
 from batching import policy as live_policy
 from batching.policy import MAX_BATCH_SIZE
 from batching.topology import REDIS_FAULTS
-from sampling.redis_client import redis_client
+from serving.redis_client import redis_client
 from telemetry.stats import Summary
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ def _publish(queue: str, policy: live_policy.Policy) -> None:
         live_policy.publish(redis_client(), queue, policy)
     except REDIS_FAULTS as exc:  # a cluster's RedisClusterException too
         # Saved all the same: the web processes' housekeeping republishes the database's
-        # policy within BACKGROUND_JOB_INTERVAL_S (sampling.runtime) once Redis answers.
+        # policy within BACKGROUND_JOB_INTERVAL_S (serving.runtime) once Redis answers.
         log.error("policy of %s saved but not yet published: %s", queue, exc)
 
 

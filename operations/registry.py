@@ -22,7 +22,7 @@ from django.db.models.signals import post_delete, post_save
 
 from batching import catalog as live_catalog
 from batching.topology import REDIS_FAULTS
-from sampling.redis_client import redis_client
+from serving.redis_client import redis_client
 from telemetry import canary as live_canary
 
 log = logging.getLogger(__name__)

@@ -28,9 +28,9 @@ from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem
 from batching.topology import REDIS_FAULTS
 from operations.models import ApiKey, UsageMinute, known_queues
-from sampling.redis_client import redis_client
-from sampling.responses import Invalid, json_response
-from sampling.wrappers import openai_endpoint
+from serving.redis_client import redis_client
+from serving.responses import Invalid, json_response
+from serving.wrappers import openai_endpoint
 from telemetry import stats
 
 

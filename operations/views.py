@@ -11,8 +11,8 @@ from django.utils.safestring import mark_safe
 from operations import canary, dashboard
 from operations.models import SamplingPolicy, Tier, default_policy, known_queues
 from operations.registry import AliasTarget, CanaryTrial
-from sampling.redis_client import redis_client
-from sampling.runtime import web_process
+from serving.redis_client import redis_client
+from serving.runtime import web_process
 
 
 def canary_targets() -> list[AliasTarget]:

@@ -117,7 +117,7 @@ def _resender(aggregator: BatchAggregator) -> Callable[[str], None]:
             task_id=batch_id,
             queue=aggregator.queue,
             priority=task_priority(UNKNOWN_LANE),
-            expires=aggregator.ttl_s,  # as the web's dispatch (sampling.submission)
+            expires=aggregator.ttl_s,  # as the web's dispatch (serving.submission)
         )
 
     return resend

@@ -1,7 +1,7 @@
 """A worker's Prometheus metrics, published to Redis with each heartbeat.
 
 GPU nodes serve no metrics port: the web nodes' GET /metrics merges what every worker of the
-queue published (sampling/metrics.py), so Prometheus scrapes the web nodes only.
+queue published (serving/metrics.py), so Prometheus scrapes the web nodes only.
 """
 
 from __future__ import annotations

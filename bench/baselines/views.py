@@ -15,8 +15,8 @@ from django.views.decorators.csrf import csrf_exempt
 
 from bench.baselines import settings as bench_settings
 from bench.baselines import tasks
-from sampling.broker import app as celery_app
-from sampling.redis_client import redis_client
+from serving.broker import app as celery_app
+from serving.redis_client import redis_client
 
 PLAIN_SET_KEY = "bench:plain-set"
 

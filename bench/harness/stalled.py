@@ -1,7 +1,7 @@
 """A stalled worker: it heartbeats for a queue, as a live worker does, and takes no batch, as
 a worker whose GPU hangs between calls would. For the benchmarks and tests whose requests
 must wait out their deadline in an open batch: a model with no live worker at all is refused
-at once (sampling.routing), so "no worker" no longer makes a request wait."""
+at once (serving.routing), so "no worker" no longer makes a request wait."""
 
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ def ramps(stack: Stack, alias: str) -> list[int]:
 FIGURES_SCRIPT = """
 import json, time
 from telemetry import stats
-from sampling.redis_client import redis_client
+from serving.redis_client import redis_client
 from operations.models import AliasTarget, CanaryTrial
 now = int(time.time())
 def total(model):

@@ -25,7 +25,7 @@ from batching.topology import redis_client
 from devstack.embedded_cluster import EmbeddedCluster
 from devstack.embedded_redis import EmbeddedRedis
 from devstack.stack import Stack
-from sampling.redis_client import MAX_CONNECTIONS_PER_PROCESS, connect
+from serving.redis_client import MAX_CONNECTIONS_PER_PROCESS, connect
 from tests.support.bursts import burst_until_answered
 from tests.support.http import Reply, sample
 from tests.support.queue_views import batch_log_of

@@ -367,7 +367,7 @@ def test_packaged_smollm2_rows_match_alone(smollm2: HFSampler) -> None:
 def test_a_budget_hold_bounds_the_prompt_tokens_the_packaged_model_charges(
     smollm2: HFSampler, item: str | SampleRequest
 ) -> None:
-    """A budgeted request holds its prompt's bound (sampling.submission): never fewer tokens
+    """A budgeted request holds its prompt's bound (serving.submission): never fewer tokens
     than the worker charges, its chat template's default system turn included."""
     text = item if isinstance(item, str) else smollm2.render_chat(item.messages)
     assert smollm2.count_tokens(text) <= prompt_bound(item)

@@ -19,7 +19,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 
 from devstack.stack import Stack
-from sampling.openapi import openapi_document
+from serving.openapi import openapi_document
 from tests.support.batches import keyed_client
 
 pytestmark = pytest.mark.integration

@@ -32,7 +32,7 @@ def test_a_web_process_serving_sample_never_imports_the_workers(
     dumps = wait_until(lambda: list(tmp_path.glob("*.txt")), 5, "the gunicorn hook's module list")
     modules = set(dumps[0].read_text().split())
     # The list is the process's: it holds the request path that just answered.
-    assert {"sampling.views", "batching.aggregator", "batching.results"} <= modules
+    assert {"serving.views", "batching.aggregator", "batching.results"} <= modules
     for forbidden in ("workers", "torch", "transformers"):
         loaded = sorted(m for m in modules if m == forbidden or m.startswith(forbidden + "."))
         assert not loaded, f"a web process imported {loaded}"

@@ -20,7 +20,7 @@ from openai import OpenAI
 
 from batching.outcomes import RequestOutcome
 from devstack.stack import ROOT, Stack
-from sampling.schemas import UsageReport
+from serving.schemas import UsageReport
 from tests.support import ADMIN_PASSWORD, ADMIN_USER
 from tests.support.admin_client import AdminSession
 from tests.support.http import request, sample
@@ -65,7 +65,7 @@ def in_the_database(stack: Stack, key_name: str) -> dict[str, Any]:
 import json, time
 from operations import housekeeping
 from operations.models import UsageMinute
-from sampling.redis_client import redis_client
+from serving.redis_client import redis_client
 housekeeping.persist_minutes(redis_client(), {stack.env["SAMPLING_QUEUE"]!r}, time.time() + 120)
 rows = UsageMinute.objects.filter(key__name={key_name!r})
 requests = {{}}

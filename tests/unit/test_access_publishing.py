@@ -24,7 +24,7 @@ from operations.models import (
     publish_access,
     republish_missing_access,
 )
-from sampling import redis_client as web_redis
+from serving import redis_client as web_redis
 
 pytestmark = pytest.mark.django_db
 

@@ -14,7 +14,7 @@ from batching.aggregator import BatchAggregator
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
 from operations import dashboard
-from sampling.metrics import exposition
+from serving.metrics import exposition
 from telemetry import stats
 from telemetry.recommendation import RECENT_S, RIGHT, UNDER
 from tests.support import unique_queue

@@ -24,7 +24,7 @@ from offline.lines import (
     refused,
     request_of,
 )
-from sampling.responses import Invalid
+from serving.responses import Invalid
 
 
 def _raw(**fields: object) -> bytes:

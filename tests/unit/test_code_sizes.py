@@ -9,8 +9,8 @@ from pathlib import Path
 from devstack.stack import ROOT
 
 PACKAGES = (
-    "config", "batching", "sampling", "workers", "operations", "offline", "planning",
-    "inference_site", "devstack", "bench",
+    "config", "batching", "accounts", "telemetry", "serving", "workers", "operations",
+    "offline", "planning", "inference_site", "devstack", "bench",
 )  # fmt: skip
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80

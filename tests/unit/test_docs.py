@@ -59,9 +59,11 @@ NOT_SETTINGS = {"PATH_INFO", "WEB_READY_DIR", "XDG_CACHE_HOME"}  # the last: a s
 SERVICE_PACKAGES = [
     "inference_site",
     "devstack",
-    "sampling",
+    "serving",
     "workers",
     "batching",
+    "accounts",
+    "telemetry",
     "operations",
     "planning",
 ]
@@ -124,7 +126,7 @@ def _error_names_in_code() -> set[str]:
     names: set[str] = set()
     for problem in Problem:
         names.update((problem.openai_type, problem.openai_code, problem.inference_error))
-    for package in ("sampling", "operations", "inference_site"):
+    for package in ("serving", "operations", "inference_site"):
         for path in (ROOT / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 names.update(_error_names_of(node))
@@ -204,7 +206,7 @@ def _commands_named() -> dict[str, set[str]]:
 
 
 def _management_command(command: str) -> str:
-    for app in ("operations", "planning", "sampling", "inference_site"):
+    for app in ("operations", "planning", "offline", "inference_site"):
         if (ROOT / app / "management" / "commands" / f"{command}.py").exists():
             return f"{app}.management.commands.{command}"
     return f"django.core.management.commands.{command}"

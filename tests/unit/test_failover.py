@@ -1,5 +1,5 @@
 """An alias's target in a web process's memory: usable while it has a live worker and is not
-cooling down after failing requests in a row (sampling.runtime.ServedModel)."""
+cooling down after failing requests in a row (serving.runtime.ServedModel)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 import redis
 
 from accounts.ratelimit import RateLimiter
-from sampling.runtime import COOLDOWN_AFTER_FAILURES, COOLDOWN_S, make_model
+from serving.runtime import COOLDOWN_AFTER_FAILURES, COOLDOWN_S, make_model
 
 
 def test_failures_in_a_row_cool_a_target_down_and_an_answer_between_them_does_not(

@@ -27,7 +27,7 @@ from operations.models import (
     UsageMinute,
     default_policy,
 )
-from sampling import redis_client as web_redis
+from serving import redis_client as web_redis
 from telemetry import stats
 from tests.support import unique_queue
 

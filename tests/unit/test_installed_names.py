@@ -22,7 +22,17 @@ from batching import installed_names, keys
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = Path(__file__).with_name("installed_names.txt")
-CODE = ("batching", "sampling", "workers", "operations", "offline", "planning", "inference_site")
+CODE = (
+    "batching",
+    "accounts",
+    "telemetry",
+    "serving",
+    "workers",
+    "operations",
+    "offline",
+    "planning",
+    "inference_site",
+)
 METRIC_TYPES = {"Counter", "Gauge", "Histogram", "Summary", "GaugeMetricFamily",
                 "CounterMetricFamily", "HistogramMetricFamily"}  # fmt: skip
 # Arguments for the key builders' methods, by the parameter's annotation.

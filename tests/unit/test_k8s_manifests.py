@@ -329,7 +329,7 @@ def test_the_examples_are_valid() -> None:
     found = [obj for path in EXAMPLES for obj in yaml.safe_load_all(path.read_text()) if obj]
     errors = [error for obj in found for error in schema_errors(obj)]
     assert not errors, "\n".join(errors)
-    # The header the service counts a request's deadline from (sampling.shedding).
+    # The header the service counts a request's deadline from (serving.shedding).
     assert any("X-Request-Start" in obj.get("data", {}) for obj in found)
 
 

@@ -17,7 +17,7 @@ from batching.generation import SampleRequest
 from batching.join import AppendCounter
 from batching.keys import AccessKeys
 from batching.outcomes import ItemOutcome
-from sampling.submission import Answers, charge
+from serving.submission import Answers, charge
 from telemetry.stats import RequestStats
 from tests.support import unique_queue
 

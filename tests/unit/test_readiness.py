@@ -15,9 +15,9 @@ from django.test import RequestFactory
 from accounts.access import AccessWatcher
 from accounts.ratelimit import RateLimiter
 from batching.catalog import CatalogWatcher, base_catalog
-from sampling import runtime, views
-from sampling.runtime import WebProcess, listed_models
-from sampling.shedding import Shedder
+from serving import runtime, views
+from serving.runtime import WebProcess, listed_models
+from serving.shedding import Shedder
 
 
 @pytest.fixture

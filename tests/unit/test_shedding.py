@@ -1,4 +1,4 @@
-"""The X-Request-Start parsing, the kernel's arrival time and the refusals of sampling.shedding."""
+"""The X-Request-Start parsing, the kernel's arrival time and the refusals of serving.shedding."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import gevent.event
 import gevent.socket
 import pytest
 
-from sampling.shedding import (
+from serving.shedding import (
     CUT_SHARE,
     JOINED_AT,
     LEAST_IN_FLIGHT,

@@ -3,9 +3,9 @@
 The request path never touches the database: one MULTI of plain commands to join a batch
 (the only Redis round trip of a request), one Celery publish (by task name) and one confirmation for
 the request that opened it, and a wait on the batch's result through the process's shared
-result listener, which is subscribed already (sampling.submission); sampling.wrappers makes
+result listener, which is subscribed already (serving.submission); serving.wrappers makes
 the view of it. The OpenAI-compatible API
-and /api/inference are in sampling.api.
+and /api/inference are in serving.api.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from batching.deadline import Deadline
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure
 from batching.topology import REDIS_FAULTS
-from sampling import metrics
-from sampling.responses import Invalid, openai_invalid
-from sampling.routing import Route, Unrouted, route, sticky_of
-from sampling.runtime import ServedModel, WebProcess, web_process
-from sampling.streams import Ends, text_stream
-from sampling.submission import charge, enter
-from sampling.wrappers import Handled, answer_failure, counted, submitted, unrouted
+from serving import metrics
+from serving.responses import Invalid, openai_invalid
+from serving.routing import Route, Unrouted, route, sticky_of
+from serving.runtime import ServedModel, WebProcess, web_process
+from serving.streams import Ends, text_stream
+from serving.submission import charge, enter
+from serving.wrappers import Handled, answer_failure, counted, submitted, unrouted
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def _sample(request: HttpRequest, process: WebProcess, arrival: float, caller: C
 def _stream(
     request: HttpRequest, found: Route, caller: Caller, prompt: str, deadline: Deadline
 ) -> Handled:
-    """`?stream=1`: the prompt's text as it is sampled, plain, chunked (sampling.streams)."""
+    """`?stream=1`: the prompt's text as it is sampled, plain, chunked (serving.streams)."""
     model = found.served
     entered = enter(model, caller, [prompt], deadline, stream=True, price=found.entry.price)
     if isinstance(entered, Failure):

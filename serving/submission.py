@@ -38,9 +38,9 @@ from batching.problems import Failure, Problem
 from batching.protocol import RUN_BATCH_TASK, task_priority
 from batching.result_store import queue_result
 from batching.topology import REDIS_FAULTS
-from sampling import metrics
-from sampling.broker import app as celery_app
-from sampling.shedding import JOINED_AT, QuickestAnswers
+from serving import metrics
+from serving.broker import app as celery_app
+from serving.shedding import JOINED_AT, QuickestAnswers
 from telemetry.stats import RequestStats
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.05, "
 
 
 class RequestPath(Protocol):
-    """What a submission uses of its web process (sampling.runtime.WebProcess)."""
+    """What a submission uses of its web process (serving.runtime.WebProcess)."""
 
     client: redis.Redis
     aggregator: BatchAggregator
@@ -246,7 +246,7 @@ def enter(
 
 def _too_late(process: RequestPath, deadline: Deadline) -> Failure | None:
     """The refusal of a request with less of its deadline left than its model's least work
-    (sampling.shedding.QuickestAnswers): it would end 504."""
+    (serving.shedding.QuickestAnswers): it would end 504."""
     left_ms = deadline.remaining_ms()
     least_ms = process.quickest.least_work_ms(deadline.deadline_ms)
     if left_ms >= least_ms:

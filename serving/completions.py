@@ -1,5 +1,5 @@
 """The shape of OpenAI's completions and chat completions as a whole answer (a stream's is
-sampling.streams')."""
+serving.streams')."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 from django.http import HttpResponse
 
 from batching.answers import Answer
-from sampling import schemas
-from sampling.responses import json_response
-from sampling.submission import Tokens
+from serving import schemas
+from serving.responses import json_response
+from serving.submission import Tokens
 
 
 def _finish_reason(answer: Answer) -> str:

@@ -61,7 +61,7 @@ TIER_LATENCY = Histogram(
     ["tier"],
     buckets=LATENCY_BUCKETS_S,
 )
-# Streams (sampling.streams), named after vLLM's: from a request's arrival to its first
+# Streams (serving.streams), named after vLLM's: from a request's arrival to its first
 # content chunk, between two content chunks of a choice (a chunk carries what its worker
 # sampled since the last one: a token or a few), and to the stream's end.
 TOKEN_LATENCY_BUCKETS_S = (

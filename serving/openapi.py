@@ -1,4 +1,4 @@
-"""The OpenAPI document of the JSON API (GET /v1/openapi.json), from sampling.schemas."""
+"""The OpenAPI document of the JSON API (GET /v1/openapi.json), from serving.schemas."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from sampling import schemas
+from serving import schemas
 
 JSON = "application/json"
 REF = "#/components/schemas/{model}"

@@ -1,6 +1,6 @@
 """The per-process runtime of a web process: the catalog of models and, for each model it
 serves, an aggregator, live policy, statistics and live workers' count; API keys; over the
-process's Redis client (sampling.redis_client).
+process's Redis client (serving.redis_client).
 
 Built lazily after gunicorn forks (and after gevent patches sockets), once per process.
 """
@@ -26,8 +26,8 @@ from batching.loop import PeriodicLoop
 from batching.policy import Policy, PolicyWatcher, policy_from_settings
 from batching.registry import WorkerRegistry
 from batching.topology import REDIS_FAULTS
-from sampling.redis_client import redis_client
-from sampling.shedding import ADAPT_WINDOW_S, QuickestAnswers, Shedder
+from serving.redis_client import redis_client
+from serving.shedding import ADAPT_WINDOW_S, QuickestAnswers, Shedder
 from telemetry.stats import RequestStats
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ BACKGROUND_JOB_INTERVAL_S = 10.0
 # A model's "no live worker" older than this is read again before a request is refused.
 LIVE_RECHECK_S = 0.05
 # An alias's target whose requests failed (5xx of its own) this many times in a row in this
-# process gets no new requests from it for COOLDOWN_S when failover is on (sampling.routing).
+# process gets no new requests from it for COOLDOWN_S when failover is on (serving.routing).
 COOLDOWN_AFTER_FAILURES = 3
 COOLDOWN_S = 10.0
 
@@ -65,7 +65,7 @@ class ServedModel:
     """One model as this process serves it: its aggregator, its live policy, its statistics
     buffer and how many live workers it has, the last two kept fresh by one loop (its policy
     and its workers' heartbeats, read twice a second). What a submission uses
-    (sampling.submission.RequestPath)."""
+    (serving.submission.RequestPath)."""
 
     name: str
     client: redis.Redis
@@ -78,7 +78,7 @@ class ServedModel:
     live_read_at: float = 0.0  # monotonic
     failures_in_row: int = 0  # its requests that ended in an error of its own, in a row
     cool_until: float = 0.0  # monotonic: no new requests through an alias before then
-    budgets: Budgets | None = None  # its web process's (sampling.submission: budget holds)
+    budgets: Budgets | None = None  # its web process's (serving.submission: budget holds)
 
     def __post_init__(self) -> None:
         self.workers = WorkerRegistry(self.client, self.aggregator.keys)
@@ -327,7 +327,7 @@ def warm_up() -> None:
     from kombu.common import maybe_declare
 
     from batching.results import SharedListenerRedisBackend
-    from sampling.broker import app as celery_app
+    from serving.broker import app as celery_app
 
     resolve("/sample")  # imports the view and the result backend
     try:

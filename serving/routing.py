@@ -25,8 +25,8 @@ from accounts.access import Caller
 from batching.catalog import EMBEDDER, GENERATOR, ModelEntry
 from batching.problems import Failure, Problem
 from batching.registry import HEARTBEAT_TIMEOUT_MS
-from sampling.responses import Invalid
-from sampling.runtime import ServedModel, WebProcess
+from serving.responses import Invalid
+from serving.runtime import ServedModel, WebProcess
 
 # The names a 404 lists, at most (a deployment with hundreds of models lists them at /v1/models).
 NAMES_LISTED = 20

@@ -2,10 +2,10 @@
 document) and /api/inference.
 
 Each request is read and checked against the policy this process applies
-(sampling.validation), its prompts and choices become items of the batches (one
+(serving.validation), its prompts and choices become items of the batches (one
 batching.generation.SampleRequest per prompt and choice, each with its own settings), and its
-answers come back through the same path as /sample's (sampling.submission), shaped as OpenAI's
-(sampling.completions). Errors are JSON in each API's shape (sampling.responses); nothing here
+answers come back through the same path as /sample's (serving.submission), shaped as OpenAI's
+(serving.completions). Errors are JSON in each API's shape (serving.responses); nothing here
 touches the database, and the request costs Redis what /sample costs per item.
 """
 
@@ -29,10 +29,10 @@ from batching.policy import Policy
 from batching.problems import Failure
 from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.topology import REDIS_FAULTS
-from sampling import schemas
-from sampling.completions import completion_response
-from sampling.openapi import openapi_document
-from sampling.responses import (
+from serving import schemas
+from serving.completions import completion_response
+from serving.openapi import openapi_document
+from serving.responses import (
     JSON,
     Invalid,
     inference_failure,
@@ -42,18 +42,18 @@ from sampling.responses import (
     openai_failure,
     openai_invalid,
 )
-from sampling.routing import Route, Unrouted, route, sticky_of
-from sampling.runtime import WebProcess, web_process
-from sampling.streams import Ends, completion_stream
-from sampling.submission import charge, enter, submit
-from sampling.validation import (
+from serving.routing import Route, Unrouted, route, sticky_of
+from serving.runtime import WebProcess, web_process
+from serving.streams import Ends, completion_stream
+from serving.submission import charge, enter, submit
+from serving.validation import (
     check_settings,
     check_size,
     parse,
     read_body,
     sample_requests,
 )
-from sampling.wrappers import (
+from serving.wrappers import (
     Handled,
     answer_failure,
     counted,

@@ -17,13 +17,13 @@ from batching.embeddings import decode
 from batching.generation import SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure
-from sampling import schemas
-from sampling.responses import Invalid, json_response, openai_failure, openai_invalid
-from sampling.routing import Unrouted, route, sticky_of
-from sampling.runtime import WebProcess
-from sampling.submission import charge, submit
-from sampling.validation import check_size, parse, read_body
-from sampling.wrappers import Handled, answer_failure, counted, unrouted
+from serving import schemas
+from serving.responses import Invalid, json_response, openai_failure, openai_invalid
+from serving.routing import Unrouted, route, sticky_of
+from serving.runtime import WebProcess
+from serving.submission import charge, submit
+from serving.validation import check_size, parse, read_body
+from serving.wrappers import Handled, answer_failure, counted, unrouted
 
 
 def _embeddings(

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from sampling import api, embeddings, views
+from serving import api, embeddings, views
 
 urlpatterns = [
     path("sample", views.sample, name="sample"),

@@ -1,6 +1,6 @@
 """A streaming completion: Server-Sent Events in OpenAI's shape, written as the text is sampled.
 
-The request's items join their batches marked streaming (sampling.submission.enter), and the
+The request's items join their batches marked streaming (serving.submission.enter), and the
 response starts at once. Its events then follow its batches: each delta message of a batch
 (batching.deltas) becomes a content chunk per choice it carries; a batch's answers give each
 of its choices what the deltas left out of its text (nothing, mostly), then its finish chunk.
@@ -39,10 +39,10 @@ from batching.items import Ticket
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem
 from batching.results import ResultListener, SharedListenerRedisBackend
-from sampling import metrics, schemas
-from sampling.broker import app as celery_app
-from sampling.completions import usage_of
-from sampling.submission import (
+from serving import metrics, schemas
+from serving.broker import app as celery_app
+from serving.completions import usage_of
+from serving.submission import (
     Answers,
     Entered,
     RequestPath,
@@ -160,7 +160,7 @@ def _answer_of(meta: dict[str, Any], index: int) -> Answer | Failure:
 class Ends(NamedTuple):
     """What a stream does as it ends: `charge(answers)` counts its answers' usage to its
     caller; `cancel(tickets)` marks the items of a client that left
-    (sampling.submission.cancel); `left()` says whether the client has left (its socket
+    (serving.submission.cancel); `left()` says whether the client has left (its socket
     closed) while nothing is written to it; `timed(first, seconds)` counts when a content
     chunk went: since the request's arrival (its `first`), or since its choice's last."""
 

@@ -1,5 +1,5 @@
 """How the JSON endpoints word their answers and refusals: OpenAI's error JSON on /v1, the
-seed design's on /api/inference (the plain-text /sample words its own, sampling.views).
+seed design's on /api/inference (the plain-text /sample words its own, serving.views).
 
 A refusal is either an `Invalid` (the request itself is wrong: a 4xx with the field at fault)
 or a `Failure` (batching.problems: the service could not answer it); each endpoint words both

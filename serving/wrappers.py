@@ -10,7 +10,7 @@
   share, usable alone.
 
 What happens to a request's items between (join, dispatch, wait) is Django-free
-(sampling.submission); how each endpoint words a refusal is sampling.responses.
+(serving.submission); how each endpoint words a refusal is serving.responses.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from batching.generation import SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem
 from batching.topology import REDIS_FAULTS
-from sampling import metrics
-from sampling.responses import Invalid, openai_failure, openai_invalid
-from sampling.routing import ROUTED_VIA, Route, Unrouted, fallback
-from sampling.runtime import ServedModel, WebProcess, web_process
-from sampling.shedding import JOINED_AT, ShedReason
-from sampling.streams import Stream
-from sampling.submission import Answers, submit
+from serving import metrics
+from serving.responses import Invalid, openai_failure, openai_invalid
+from serving.routing import ROUTED_VIA, Route, Unrouted, fallback
+from serving.runtime import ServedModel, WebProcess, web_process
+from serving.shedding import JOINED_AT, ShedReason
+from serving.streams import Stream
+from serving.submission import Answers, submit
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def answer_failure(words: Words, failure: Failure) -> HttpResponse:
 
 def counted(handle: Handler, words: Words) -> View:
     """A view around `handle(request, process, arrival, caller)`: the request shed first if
-    this process cannot start it in time (sampling.shedding), its deadline counted from its
+    this process cannot start it in time (serving.shedding), its deadline counted from its
     arrival (`X-Request-Start`, else when its bytes reached the kernel, else now); then the
     caller authenticated and checked against its rate limits first (a refusal worded by
     `words`), every answer to a limited caller with its x-ratelimit-* headers, and every

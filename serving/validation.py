@@ -1,6 +1,6 @@
-"""Reading a JSON request of the API: its body, its model (sampling.schemas), its checks
+"""Reading a JSON request of the API: its body, its model (serving.schemas), its checks
 against the policy this process applies, and its items (one SampleRequest per prompt and
-choice). Every refusal is an `Invalid` (sampling.responses) naming the field at fault.
+choice). Every refusal is an `Invalid` (serving.responses) naming the field at fault.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pydantic import BaseModel, ValidationError
 
 from batching.generation import SEED_RANGE, SampleRequest
 from batching.policy import MAX_BATCH_SIZE, Policy
-from sampling import schemas
-from sampling.responses import Invalid
+from serving import schemas
+from serving.responses import Invalid
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
