@@ -1,8 +1,9 @@
 """Names that existing installations hold, kept as they were when the whole service was one
 app called "sampling" (its HTTP package is `serving/` now). A rename here breaks an upgrade:
 a rolling upgrade runs old and new processes on one Redis and one broker, a Redis restarted
-with its data keeps its keys, and a database keeps its tables and migration history. tests/unit/test_installed_names.py pins
-them, with every Redis key and metric name built from them, against a recorded list."""
+with its data keeps its keys, and a database keeps its tables and migration history.
+tests/unit/test_installed_names.py pins them, with every Redis key and metric name built from
+them, against a recorded list."""
 
 from __future__ import annotations
 
