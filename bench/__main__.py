@@ -23,7 +23,6 @@ BENCHMARKS = (
     "overload",
     "soak",
     "redis_cost",
-    "shard_ceiling",
     "routing",
     "streaming",
     "backfill",

@@ -63,7 +63,7 @@ SHARD_CEILING_FILE = Path(__file__).with_name("shard_ceiling.json")
 @dataclass(frozen=True)
 class ShardCeiling(Provenance):
     """The requests/s one shard of the request path (one Redis process) carries while the
-    request's round trip stays under 5 ms at p99: `python -m bench shard_ceiling --write`."""
+    request's round trip stays under 5 ms at p99 (docs/benchmarks/redis-cost.md: how)."""
 
     shard_rps: float
 
@@ -73,6 +73,5 @@ class ShardCeiling(Provenance):
         return cls(shard_rps=float(raw["shard_rps"]), **cls.read(raw))
 
 
-# None until `python -m bench shard_ceiling --write` has run: the planner then asks for
-# --redis-shard-rps.
+# None without shard_ceiling.json: the planner then asks for --redis-shard-rps.
 MEASURED_SHARD = ShardCeiling.load() if SHARD_CEILING_FILE.exists() else None

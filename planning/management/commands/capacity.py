@@ -8,7 +8,7 @@ The answer comes from a discrete-event simulation of the service's own policy
 admission, searched upward from the analytic lower bound: the fewest GPUs whose full batches
 carry more than the rate, a turn being one call and the measured gap between two calls. Web
 nodes follow from the front end's measured CPU per request; Redis shards (SAMPLING_SHARDS, a
-master each) from one shard's measured ceiling (bench/shard_ceiling/), planned at half of it.
+master each) from one shard's measured ceiling (planning/shard_ceiling.json), at half of it.
 
 On a GPU's cost curve (`--cost h100-graphs-135m`, or a profile file: batching.call_cost) a call
 lasts what its rows' shape costs: `--request-shapes` says the requests' prompt tokens and
@@ -176,7 +176,7 @@ class Command(BaseCommand):
             type=float,
             default=shard_rps,
             help=f"requests/s one Redis shard carries at p99 under 5 ms (default "
-            f"{shard_rps:,.0f}, measured by `python -m bench shard_ceiling --write`)",
+            f"{shard_rps:,.0f}, measured: docs/benchmarks/redis-cost.md)",
         )
         parser.add_argument("--web-node-cores", type=int, default=16)
         parser.add_argument(
