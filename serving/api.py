@@ -22,7 +22,6 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from accounts.access import Caller
-from batching.deadline import Deadline
 from batching.generation import SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.policy import Policy
@@ -31,6 +30,7 @@ from batching.registry import HEARTBEAT_TIMEOUT_MS
 from batching.topology import REDIS_FAULTS
 from serving import schemas
 from serving.completions import completion_response
+from serving.deadline import Deadline
 from serving.openapi import openapi_document
 from serving.responses import (
     JSON,

@@ -12,12 +12,12 @@ from django.http import HttpRequest
 
 from accounts.access import Caller
 from batching.catalog import EMBEDDER
-from batching.deadline import Deadline
 from batching.embeddings import decode
 from batching.generation import SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure
 from serving import schemas
+from serving.deadline import Deadline
 from serving.responses import Invalid, json_response, openai_failure, openai_invalid
 from serving.routing import Unrouted, route, sticky_of
 from serving.runtime import WebProcess

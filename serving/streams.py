@@ -33,7 +33,6 @@ from django.http import HttpRequest, StreamingHttpResponse
 from accounts.access import Caller
 from batching.answers import Answer
 from batching.catalog import Price
-from batching.deadline import Deadline
 from batching.deltas import Feed
 from batching.items import Ticket
 from batching.outcomes import RequestOutcome
@@ -42,6 +41,7 @@ from batching.results import ResultListener, SharedListenerRedisBackend
 from serving import metrics, schemas
 from serving.broker import app as celery_app
 from serving.completions import usage_of
+from serving.deadline import Deadline
 from serving.submission import (
     Answers,
     Entered,

@@ -28,7 +28,6 @@ from batching import cache
 from batching.aggregator import BatchAggregator
 from batching.answers import Answer, to_wire
 from batching.catalog import Price
-from batching.deadline import Deadline
 from batching.generation import SampleRequest
 from batching.items import Joined, Ticket
 from batching.join import AppendCounter
@@ -40,6 +39,7 @@ from batching.result_store import queue_result
 from batching.topology import REDIS_FAULTS
 from serving import metrics
 from serving.broker import app as celery_app
+from serving.deadline import Deadline
 from serving.shedding import JOINED_AT, QuickestAnswers
 from telemetry.stats import RequestStats
 

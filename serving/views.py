@@ -16,11 +16,11 @@ from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from accounts.access import Caller
-from batching.deadline import Deadline
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure
 from batching.topology import REDIS_FAULTS
 from serving import metrics
+from serving.deadline import Deadline
 from serving.responses import Invalid, openai_invalid
 from serving.routing import Route, Unrouted, route, sticky_of
 from serving.runtime import ServedModel, WebProcess, web_process

@@ -27,12 +27,12 @@ from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
 from accounts.access import Caller
-from batching.deadline import Deadline
 from batching.generation import SampleRequest
 from batching.outcomes import RequestOutcome
 from batching.problems import Failure, Problem
 from batching.topology import REDIS_FAULTS
 from serving import metrics
+from serving.deadline import Deadline
 from serving.responses import Invalid, openai_failure, openai_invalid
 from serving.routing import ROUTED_VIA, Route, Unrouted, fallback
 from serving.runtime import ServedModel, WebProcess, web_process

@@ -1,9 +1,10 @@
 """A request's deadline as its web process holds it: one value from arrival to answer.
 
 The policy's deadline counts from the request's arrival at the node (serving.shedding reads
-it). In Redis an item carries the absolute time it expires, by the Redis node's clock, and
-its whole deadline: a worker computes the item's queue time from the two (batching.items),
-without the worker's own policy, which may have changed while the item waited."""
+it). The batch protocol gets two numbers of it: what is left, and the whole. An item carries
+the time it expires, by the Redis node's clock, and the whole deadline: a worker computes the
+item's queue time from the two (batching.items), without the worker's own policy, which may
+have changed while the item waited."""
 
 from __future__ import annotations
 
