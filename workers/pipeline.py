@@ -15,8 +15,8 @@ Three threads share a BatchRunner:
     the batch's record, statistics and metrics.
 A watchdog thread cuts off a call that runs past the call timeout: it answers the batch's
 requests at once with an error, hands a batch received but not sealed back to the queue, and
-ends the process through `on_hung` (a call cannot be interrupted in place; the supervisor
-starts a fresh worker).
+ends the process through its sink's `hung` (a call cannot be interrupted in place; the
+supervisor starts a fresh worker).
 
 Why a task returns only near its call's end (PREFETCH_LEAD_MS), not at once: Redis hands a
 queued task to the worker whose BRPOP has waited longest, so a worker that asked for the next
@@ -26,9 +26,8 @@ right (no batch waits behind a busy GPU while another is idle, but for those mil
 and a batch received early is marked held (BatchAggregator.hold) so that it is handed over if
 this worker dies before sealing it.
 
-Django- and Celery-free: `queue_answers` queues the commands that store and publish a batch's
-answers (batching.result_store.queue_result in a worker), `store_failure` stores a batch's
-failure, `resend` sends a batch's task again.
+Django- and Celery-free: where a batch's outcome goes is one BatchSink (the worker's, in
+workers.lifecycle).
 """
 
 from __future__ import annotations
@@ -37,10 +36,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 import redis
 
@@ -99,33 +99,43 @@ class _Report:
     publish: bool = False
 
 
+class BatchSink(Protocol):
+    """Where the pipeline's batches go: their answers, their failures, their tasks sent again,
+    and the worker's exit when its GPU hung or keeps failing."""
+
+    def queue_answers(
+        self, pipe: redis.client.Pipeline, batch_id: str, answers: list[Result]
+    ) -> None:
+        """Queue on `pipe` the commands that store and publish a batch's answers."""
+
+    def store_failure(self, batch_id: str, exc: Exception) -> None:
+        """Store a batch's failure: its waiters answer 502."""
+
+    def resend(self, batch_id: str) -> None:
+        """Send a batch's task again."""
+
+    def hung(self, batch_id: str, ran_ms: float) -> None:
+        """A call was cut off, and its batch has its answers: must not return (the process
+        exits)."""
+
+    def unhealthy(self, reason: str) -> None:
+        """The sampler failed FAILED_CALLS_UNHEALTHY calls in a row, and the batch's answers
+        are out: the worker leaves."""
+
+
 class BatchPipeline:
     def __init__(
         self,
         runner: BatchRunner,
+        sink: BatchSink,
         *,
-        queue_answers: Callable[[redis.client.Pipeline, str, list[Result]], None],
-        store_failure: Callable[[str, Exception], None],
-        resend: Callable[[str], None],
-        on_hung: Callable[[str, float], None],
-        on_unhealthy: Callable[[str], None] | None = None,
         call_timeout_ms: float | None = None,
         prefetch_lead_ms: float = PREFETCH_LEAD_MS,
     ) -> None:
-        """`on_hung(batch_id, ran_ms)` is called, once the batch has its answers, when a call
-        is cut off, and must not return (the process exits). `on_unhealthy(reason)` likewise,
-        once a batch's answers are out, when the sampler has failed FAILED_CALLS_UNHEALTHY
-        calls in a row (by default only logged). `call_timeout_ms` None: the automatic
-        timeout from the call estimate."""
+        """`call_timeout_ms` None: the automatic timeout from the call estimate."""
         self.runner = runner
+        self.sink = sink
         self._cluster = is_cluster(runner.aggregator.client)
-        self._queue_answers = queue_answers
-        self._store_failure = store_failure
-        self._resend = resend
-        self._on_hung = on_hung
-        self._on_unhealthy = on_unhealthy or (
-            lambda reason: log.critical("the sampler is failing every call: %s", reason)
-        )
         self._call_timeout_ms = call_timeout_ms
         self._lead_s = prefetch_lead_ms / 1000
         self._changed = threading.Condition()
@@ -178,7 +188,7 @@ class BatchPipeline:
 
     def _resend_safely(self, batch_id: str) -> None:
         with self._failure_of(batch_id, Stage.RESEND):
-            self._resend(batch_id)
+            self.sink.resend(batch_id)
 
     # --- Celery's thread -------------------------------------------------------------------
     def submit(self, batch_id: str, lane: int = UNKNOWN_LANE) -> None:
@@ -312,7 +322,7 @@ class BatchPipeline:
 
     def _leave_unhealthy(self, turn: Turn) -> None:
         """The sampler failed its last calls: answer this batch now, send a batch received
-        meanwhile to another worker, and leave (`on_unhealthy`)."""
+        meanwhile to another worker, and leave (its sink's `unhealthy`)."""
         self._publish(turn.batch_id, turn.answers)
         self._reports.put(_Report(turn.batch_id, turn))
         with self._changed:
@@ -320,7 +330,7 @@ class BatchPipeline:
             self._closed = True
         if waiting is not None:
             self._resend_safely(waiting[0])
-        self._on_unhealthy(
+        self.sink.unhealthy(
             f"{self.runner.failed_calls} sampler calls failed in a row, the last: "
             f"{self.runner.last_failure}"
         )
@@ -332,7 +342,7 @@ class BatchPipeline:
             self._failure_of(batch_id, Stage.PUBLISH),
             self.runner.aggregator.client.pipeline(transaction=False) as pipe,
         ):
-            self._queue_answers(pipe, batch_id, answers)
+            self.sink.queue_answers(pipe, batch_id, answers)
             pipe.execute()
 
     # --- the reporter thread ---------------------------------------------------------------
@@ -347,7 +357,7 @@ class BatchPipeline:
     def _report(self, report: _Report) -> None:
         batch_id, outcome = report.batch_id, report.outcome
         if isinstance(outcome, Exception):
-            self._store_failure(batch_id, outcome)
+            self.sink.store_failure(batch_id, outcome)
             return
         # The answers, then the record and statistics: one round trip. On a cluster the
         # record also writes to other masters' slots (token charges, the cache on every
@@ -357,7 +367,7 @@ class BatchPipeline:
         # the requests' p99 read 23% higher: `bench backfill`).
         with self.runner.aggregator.client.pipeline(transaction=False) as pipe:
             if report.publish and outcome.interactive:
-                self._queue_answers(pipe, batch_id, outcome.answers)
+                self.sink.queue_answers(pipe, batch_id, outcome.answers)
                 if self._cluster or outcome.backfill:
                     pipe.execute()
             with self._failure_of(batch_id, Stage.RECORD):  # the answers go all the same
@@ -388,7 +398,7 @@ class BatchPipeline:
                     continue
                 waiting = self._waiting[0] if self._waiting else None
             self._cut_off(turn, started, waiting)
-            return  # on_hung ends the process; a pipeline with a hung call runs nothing more
+            return  # the sink's `hung` ends the process: a hung pipeline runs nothing more
 
     def _cut_off(self, turn: Turn, started: float, waiting: str | None) -> None:
         ran_ms = (time.monotonic() - started) * 1000
@@ -403,7 +413,7 @@ class BatchPipeline:
         self._publish(turn.batch_id, turn.answers_failing_the_rest(reason))
         if waiting is not None:  # received, never sealed: another worker runs it
             self._resend_safely(waiting)
-        self._on_hung(turn.batch_id, ran_ms)
+        self.sink.hung(turn.batch_id, ran_ms)
 
     def drain_reports(self, timeout_s: float) -> None:
         """Let the reporter finish what it has (records, statistics) and stop: a process that

@@ -48,8 +48,8 @@ from bench.harness.trees import in_turn
 from devstack.embedded_redis import EmbeddedRedis
 from devstack.stack import Stack
 from telemetry.batch_log import BatchLog
+from workers.heartbeat import HEARTBEAT_INTERVAL_S
 from workers.launch import local_gpu_count
-from workers.lifecycle import HEARTBEAT_INTERVAL_S
 
 CALL_MS = 100
 # Workers publish their metrics with each heartbeat: a call's places are on /metrics this

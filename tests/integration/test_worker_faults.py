@@ -33,8 +33,9 @@ from tests.support.http import Reply, request, sample
 from tests.support.probe_sampler import CONTEXT_TOKENS, stuck_call_key
 from tests.support.queue_views import workers_of
 from tests.support.waiting import wait_until
+from workers.heartbeat import EXIT_DUPLICATE_NAME
 from workers.launch import worker_command, worker_environment
-from workers.lifecycle import EXIT_DUPLICATE_NAME, EXIT_HUNG_CALL, EXIT_UNHEALTHY_GPU
+from workers.lifecycle import EXIT_HUNG_CALL, EXIT_UNHEALTHY_GPU
 from workers.runner import FAILED_CALLS_UNHEALTHY
 from workers.samplers.simulated import expected_completion
 

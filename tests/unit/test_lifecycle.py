@@ -15,12 +15,8 @@ from batching.aggregator import HANDOVER_SCAN_MS, BatchAggregator
 from tests.support import unique_queue
 from tests.support.queue_views import workers_of
 from tests.support.waiting import wait_until
-from workers.lifecycle import (
-    EXIT_HUNG_CALL,
-    HANDOVER_SCANNERS,
-    SamplingWorker,
-    handover_scan_interval_s,
-)
+from workers.heartbeat import HANDOVER_SCANNERS, handover_scan_interval_s
+from workers.lifecycle import EXIT_HUNG_CALL, SamplingWorker
 from workers.runner import BatchRunner
 from workers.samplers.simulated import SimulatedSampler
 
@@ -42,10 +38,10 @@ def worker(redis_client: redis.Redis) -> Iterator[tuple[SamplingWorker, Exits, l
     resent: list[str] = []
     exits = Exits()
     made = SamplingWorker(runner, resent.append, exit_process=exits)
-    made.heartbeat.interval_s = 0.02  # settable: the test need not wait out a second
+    made.presence.heartbeat.interval_s = 0.02  # settable: the test need not wait out a second
     yield made, exits, resent
-    made.heartbeat.stop()
-    made.handover.stop()
+    made.presence.heartbeat.stop()
+    made.presence.handover.stop()
 
 
 def info_of(worker: SamplingWorker) -> dict[str, object]:
@@ -59,11 +55,11 @@ def test_the_worker_heartbeats_while_it_runs_and_says_goodbye_on_a_warm_stop(
     life, exits, _ = worker
     life.start()
     wait_until(lambda: workers_of(life.aggregator).live_count() == 1, 2, "the first heartbeat")
-    wait_until(lambda: life.heartbeat.runs >= 3, 2, "heartbeats once an interval")
+    wait_until(lambda: life.presence.heartbeat.runs >= 3, 2, "heartbeats once an interval")
     assert info_of(life)["state"] == "idle"
     life.stop()
-    assert not life.heartbeat.running
-    assert not life.handover.running
+    assert not life.presence.heartbeat.running
+    assert not life.presence.handover.running
     assert workers_of(life.aggregator).live_count() == 0
     assert info_of(life)["state"] == "stopped"
     assert exits.statuses == []
@@ -88,8 +84,8 @@ def test_a_failing_hand_over_scan_raises_for_its_loop_to_log() -> None:
     dead = BatchAggregator(nobody, unique_queue("life"), shards=2)
     life = SamplingWorker(BatchRunner(dead, SimulatedSampler(batch_ms=1), "w"), print)
     with pytest.raises(redis.ConnectionError):
-        life.scan_handovers()
-    assert not life.handover.run_once()  # the loop logs it, and goes on
+        life.presence.scan_handovers()
+    assert not life.presence.handover.run_once()  # the loop logs it, and goes on
 
 
 def test_the_workers_of_a_queue_share_its_hand_over_scans(
@@ -107,6 +103,6 @@ def test_the_workers_of_a_queue_share_its_hand_over_scans(
     others = [f"other-{index}" for index in range(2 * HANDOVER_SCANNERS - 1)]
     for name in others:
         workers_of(life.aggregator).heartbeat(name)
-    life.beat()
+    life.presence.beat()
     assert life.runner.live_workers == len(others) + 1
-    assert life.handover.interval_s == pytest.approx(2 * base_s)
+    assert life.presence.handover.interval_s == pytest.approx(2 * base_s)

@@ -66,20 +66,28 @@ class Harness:
         self.published_key = f"test:{{{self.aggregator.queue}}}:published"
         self.failures: list[tuple[str, Exception]] = []
         self.resent: list[str] = []
-        self.hung: list[tuple[str, float]] = []
-        self.pipeline = BatchPipeline(
-            self.runner,
-            queue_answers=self.queue_answers,
-            store_failure=lambda batch_id, exc: self.failures.append((batch_id, exc)),
-            resend=self.resent.append,
-            on_hung=lambda batch_id, ran_ms: self.hung.append((batch_id, ran_ms)),
-            **options,
-        ).start()
+        self.hung_calls: list[tuple[str, float]] = []
+        self.unhealthy_reasons: list[str] = []
+        self.pipeline = BatchPipeline(self.runner, self, **options).start()
 
     def queue_answers(
         self, pipe: redis.client.Pipeline, batch_id: str, answers: list[Result]
     ) -> None:
         pipe.rpush(self.published_key, json.dumps([batch_id, answers]))
+
+    # The rest of the pipeline's sink (workers.pipeline.BatchSink), recorded.
+
+    def store_failure(self, batch_id: str, exc: Exception) -> None:
+        self.failures.append((batch_id, exc))
+
+    def resend(self, batch_id: str) -> None:
+        self.resent.append(batch_id)
+
+    def hung(self, batch_id: str, ran_ms: float) -> None:
+        self.hung_calls.append((batch_id, ran_ms))
+
+    def unhealthy(self, reason: str) -> None:
+        self.unhealthy_reasons.append(reason)
 
     def batch(self, *prompts: str) -> str:
         tickets = [self.aggregator.append(prompt, 5000) for prompt in prompts]
@@ -198,9 +206,9 @@ def test_a_hung_call_is_cut_off_answered_and_its_waiting_batch_sent_again(
     h.pipeline.submit(hung)
     waiting = h.next_batch("next")
     threading.Thread(target=h.pipeline.submit, args=(waiting,), daemon=True).start()
-    wait_until(lambda: h.hung, 3, "the call cut off")
-    assert [batch for batch, _ in h.hung] == [hung]
-    assert h.hung[0][1] >= 300
+    wait_until(lambda: h.hung_calls, 3, "the call cut off")
+    assert [batch for batch, _ in h.hung_calls] == [hung]
+    assert h.hung_calls[0][1] >= 300
     assert time.monotonic() - started < 2  # cut off, not waited for
     ((batch_id, answers),) = h.published(1)
     assert batch_id == hung

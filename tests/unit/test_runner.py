@@ -238,7 +238,7 @@ def test_each_item_gets_its_own_result(aggregator: BatchAggregator) -> None:
 def test_a_worker_that_cannot_say_goodbye_says_why(
     aggregator: BatchAggregator, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from workers.lifecycle import say_goodbye
+    from workers.heartbeat import say_goodbye
 
     workers_of(aggregator).heartbeat("w")
     runner = BatchRunner(aggregator, RecordingSampler(), "w")
