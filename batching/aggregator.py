@@ -191,8 +191,8 @@ class BatchAggregator:
         the key has a request rate limit, the counter its MULTI raises (`counter`, on the
         shard's slot: see `shard_of_key`); the ticket carries the count after it. A
         `stream`ing request's item is marked so: its worker publishes its text as it comes.
-        `budget_ms` is what is left of the request's deadline, `deadline_ms` the whole of it
-        (0: `budget_ms`), which the item carries for its worker's queue time."""
+        `budget_ms` is what is left of the request's deadline, `deadline_ms` the whole of it,
+        which the item carries for its worker's queue time (0: not carried)."""
         index = (next(self._turn) if shard is None else shard) % len(self.shards)
         keys = self.shards[index]
         lane_keys = LaneKeys.of(keys, lane)
@@ -205,8 +205,8 @@ class BatchAggregator:
             candidate = keys.batch_id(self._ids.next())
             read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
             pointer = f"{candidate} {redis_ms} {self.max_batch_size}"
-            expires_at_ms, whole_ms = redis_ms + int(budget_ms), deadline_ms or int(budget_ms)
-            item = item_of(expires_at_ms, prompt, key_id, stream=stream, deadline_ms=whole_ms)
+            expires_at_ms = redis_ms + int(budget_ms)
+            item = item_of(expires_at_ms, prompt, key_id, stream=stream, deadline_ms=deadline_ms)
             joined, length, *more = join(
                 self.client, self._cluster, lane_keys, pointer, item, self.ttl_ms,
                 read_admission, counter,
@@ -264,14 +264,13 @@ class BatchAggregator:
             return Joined([rejected] * len(items))
         redis_ms = self.clock.now_ms(keys, now_s) if now_ms is None else now_ms
         expires_at_ms = redis_ms + int(budget_ms)
-        whole_ms = deadline_ms or int(budget_ms)
         read_admission = now_s - seen[1] > ADMISSION_REFRESH_S
         call = ItemsCall(
             keys.batch_id(self._ids.next()), redis_ms, self.max_batch_size, self.ttl_ms,
             read_admission, counter, cost, limit, version, "" if now_ms is None else str(now_ms),
         )  # fmt: skip
         listed = [
-            (digest, item_of(expires_at_ms, item, key_id, digest, stream, whole_ms))
+            (digest, item_of(expires_at_ms, item, key_id, digest, stream, deadline_ms))
             for digest, item in items
         ]
         reply = join_items(self._scripts["append_items"], keys, lane_keys, call, listed,
