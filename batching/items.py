@@ -15,8 +15,8 @@ from batching.generation import SampleRequest
 # The mark at the end of a streaming item's head.
 STREAMING = "!"
 STREAMING_BYTES = STREAMING.encode()
-# Between an item's expiry and its request's whole deadline (workers read both from this
-# release on; a web process writes it only once every worker does: see the changelog).
+# Between an item's expiry and its request's whole deadline. A web process writes the
+# deadline only while every live worker reads it (batching.registry.LiveWorkers).
 DEADLINE_MARK = "~"
 DEADLINE_MARK_BYTES = DEADLINE_MARK.encode()
 
@@ -66,13 +66,13 @@ class Item:
     cache: str = ""  # the digest its answer is cached under (batching.cache), "" for none
     stream: bool = False  # its request streams: its new text is published as it is sampled
     # Its request's whole deadline (ms), counted from its arrival: the arrival is
-    # `expires_at_ms - deadline_ms`. 0: not carried (an item of an older web process).
-    deadline_ms: int = 0
+    # `expires_at_ms - request_deadline_ms`. 0: not carried (see item_of).
+    request_deadline_ms: int = 0
 
     def arrived_at_ms(self, policy_deadline_ms: int) -> int:
         """When its request arrived, by the Redis node's clock; an older web process's item
         says nothing of its deadline, and the policy's (`policy_deadline_ms`) stands in."""
-        return self.expires_at_ms - (self.deadline_ms or policy_deadline_ms)
+        return self.expires_at_ms - (self.request_deadline_ms or policy_deadline_ms)
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,7 @@ def item_of(
     request STREAMING; then a space and the bare prompt of a /sample request (the queue's
     settings), or a colon and a request's JSON. (The head starts with the expiry's digits:
     batching/lua/seal.lua reads them.)"""
+    expires_at_ms, deadline_ms = int(expires_at_ms), int(deadline_ms)
     expiry = f"{expires_at_ms}{DEADLINE_MARK}{deadline_ms}" if deadline_ms else str(expires_at_ms)
     head = f"{expiry}/{key_id}" if key_id or cache else expiry
     if cache:

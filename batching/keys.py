@@ -39,6 +39,12 @@ class QueueKeys:
         return f"{self.tag}:workers"
 
     @cached_property
+    def deadline_readers(self) -> str:
+        """The same, of the workers that read an item's whole deadline (batching.items): web
+        processes write it only while every live worker is one of them."""
+        return f"{self.tag}:workers:deadline-readers"
+
+    @cached_property
     def turn_ms(self) -> str:
         """The workers' running estimate of one batch's turn on a GPU, for operators (what
         admission uses reaches each shard's `admission` hash)."""

@@ -4,7 +4,7 @@ Redis time), the live count, each worker's last record, and a worker's goodbye."
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -14,6 +14,15 @@ from batching.lanes import SCRIPT_CONSTANTS
 
 # A worker that has not heartbeated for this long is not counted (admission, /readyz).
 HEARTBEAT_TIMEOUT_MS = 5000
+
+
+class LiveWorkers(NamedTuple):
+    """A queue's live workers, and whether every one of them (at least one) reads an item's
+    whole deadline: web processes write it then only (a rolling upgrade's older workers
+    cannot read it)."""
+
+    live: int
+    read_deadlines: bool
 
 
 class WorkerRegistry:
@@ -28,17 +37,23 @@ class WorkerRegistry:
     def heartbeat(self, worker: str, now_ms: int | None = None) -> int:
         """Record a live worker and return the number of live workers of this queue (at
         `now_ms`; None: the Redis node's time)."""
-        return self._heartbeat(worker, now_ms)
+        return self._heartbeat(worker, now_ms).live
 
     def live_count(self, now_ms: int | None = None) -> int:
         """How many workers heartbeated within HEARTBEAT_TIMEOUT_MS."""
+        return self._heartbeat("", now_ms).live
+
+    def live(self, now_ms: int | None = None) -> LiveWorkers:
+        """The live workers' count, and whether every one reads an item's whole deadline."""
         return self._heartbeat("", now_ms)
 
-    def _heartbeat(self, worker: str, now_ms: int | None) -> int:
+    def _heartbeat(self, worker: str, now_ms: int | None) -> LiveWorkers:
         args: list[str | int] = [worker, HEARTBEAT_TIMEOUT_MS]
         if now_ms is not None:
             args.append(now_ms)
-        return int(self.script(keys=[self.keys.live_workers], args=args))
+        keys = [self.keys.live_workers, self.keys.deadline_readers]
+        live, readers = self.script(keys=keys, args=args)
+        return LiveWorkers(int(live), int(readers) >= int(live) > 0)
 
     def infos(self, since_s: float) -> list[tuple[str, dict[str, Any]]]:
         """The queue's workers seen since `since_s` (epoch seconds), each with its last
@@ -67,7 +82,10 @@ class WorkerRegistry:
 
     def forget(self, worker: str) -> None:
         """A stopping worker's goodbye: it is no longer counted live."""
-        self.client.zrem(self.keys.live_workers, worker)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.live_workers, worker)
+            pipe.zrem(self.keys.deadline_readers, worker)
+            pipe.execute()
 
 
 def _worker_info(raw: bytes | None) -> dict[str, Any]:

@@ -212,9 +212,10 @@ SAMPLING_QUEUE = env_name(
 # On: every request needs `Authorization: Bearer <key>` (401 without a valid one). Off (the
 # default, so that `make run`'s curl works): requests without a key get the anonymous tier.
 SAMPLING_REQUIRE_API_KEY = env_bool("SAMPLING_REQUIRE_API_KEY", False)
-# Generating requests one web process holds at once; one more gets a fast 503 (sampling.
-# shedding). Size it to what the process's CPU can answer within a deadline: the deadline over
-# its CPU per request (docs/reliability.md: 500 ms / 0.5 ms = 1,000; 300 at 1.6 ms).
+# Generating requests one web process holds at once; one more gets a fast 503
+# (serving.shedding). Size it to what the process's CPU can answer within a deadline: the
+# deadline over its CPU per request (docs/reliability.md: 500 ms / 0.5 ms = 1,000; 300 at
+# 1.6 ms).
 WEB_MAX_IN_FLIGHT = env_int("WEB_MAX_IN_FLIGHT", 1000, minimum=1)
 
 # The policy's defaults and bounds have one home: batching.policy.

@@ -75,6 +75,8 @@ class ServedModel:
     limiter: RateLimiter
     quickest: QuickestAnswers = field(default_factory=QuickestAnswers)
     live_workers: int | None = None  # None: not read yet (Redis away since it was made)
+    # Every live worker reads an item's whole deadline (batching.registry.LiveWorkers).
+    read_deadlines: bool = False
     live_read_at: float = 0.0  # monotonic
     failures_in_row: int = 0  # its requests that ended in an error of its own, in a row
     cool_until: float = 0.0  # monotonic: no new requests through an alias before then
@@ -95,7 +97,8 @@ class ServedModel:
 
     def read_live_workers(self) -> int:
         """How many workers of this model are live now (one round trip), kept."""
-        self.live_workers = self.workers.live_count()
+        live = self.workers.live()
+        self.live_workers, self.read_deadlines = live.live, live.read_deadlines
         self.live_read_at = time.monotonic()
         return self.live_workers
 

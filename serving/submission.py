@@ -61,6 +61,7 @@ class RequestPath(Protocol):
     limiter: RateLimiter
     quickest: QuickestAnswers
     budgets: Budgets | None
+    read_deadlines: bool
 
 
 def unavailable(message: str = QUEUE_UNAVAILABLE) -> Failure:
@@ -350,7 +351,8 @@ def _join(
         AppendCounter(counter_key, limiter.needs_expiry(caller, now_s)) if counter_key else None
     )
     budget_ms = deadline.remaining_ms()
-    whole_ms = deadline.deadline_ms
+    # Items carry their whole deadline once every live worker reads it (a rolling upgrade).
+    whole_ms = deadline.deadline_ms if process.read_deadlines else 0
     try:
         if len(items) == 1 and not items[0][0] and not limiter.near(caller, cost, now_s):
             ticket = aggregator.append(
@@ -376,7 +378,8 @@ def _join(
         predicted_ms = joined.tickets[0].predicted_ms
         return Failure(
             Problem.OVERLOADED,
-            f"overloaded: predicted {predicted_ms} ms exceeds the {whole_ms} ms deadline",
+            f"overloaded: predicted {predicted_ms} ms exceeds the "
+            f"{deadline.deadline_ms} ms deadline",
             max(1, math.ceil(predicted_ms / 1000)),
         )
     if counter is not None and joined.counted:

@@ -1,6 +1,7 @@
-"""A rolling upgrade on one Redis and one database, as the changelog asks for it: the workers
-first, then the web processes. The release before is this repository's last commit whose
-items carry no deadline, checked out in a git worktree; its processes run its own code."""
+"""A rolling upgrade on one Redis and one database, in either order: the workers first, or
+the web processes first (as one `kubectl apply` rolls them, the web's faster). The release
+before is this repository's last commit whose items carry no deadline, checked out in a git
+worktree; its processes run its own code."""
 
 from __future__ import annotations
 
@@ -70,8 +71,9 @@ def stack_of(root: Path, env: dict[str, str], gpu: int, log_dir: Path) -> Stack:
                  port=free_port(), feeds=False)  # fmt: skip
 
 
-def test_workers_then_web_processes_upgraded_while_requests_flow(
-    previous_tree: Path, redis_url: str, database_url: str, tmp_path: Path
+@pytest.mark.parametrize("first", ["workers", "web"])
+def test_a_rolling_upgrade_answers_every_request_right(
+    first: str, previous_tree: Path, redis_url: str, database_url: str, tmp_path: Path
 ) -> None:
     queue = unique_queue("rolling")
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "SAMPLER": "simulated",
@@ -80,20 +82,34 @@ def test_workers_then_web_processes_upgraded_while_requests_flow(
     old = stack_of(previous_tree, env, 0, tmp_path / "old")
     new = stack_of(ROOT, env, 1, tmp_path / "new")
     everyone_ok = [(200, True)] * REQUESTS
+
+    def upgrade_workers() -> None:
+        new.start_worker(1)
+        wait_until(lambda: live.live_count() == 2, 60, "the new worker beside the old one")
+        assert served(*bases()) == everyone_ok  # both releases' workers
+        old.stop_process(old.workers[0])
+        wait_until(lambda: live.live_count() == 1, 30, "the old worker gone")
+
+    def upgrade_web() -> None:
+        new.start_web()
+        new.wait_ready(120)
+        assert served(*bases()) == everyone_ok  # both releases' web processes
+        assert old.web is not None
+        old.stop_process(old.web)
+        old.web = None
+
+    def bases() -> list[str]:
+        return [stack.base_url for stack in (old, new) if stack.web is not None]
+
     try:
         old.start(timeout_s=120)
         assert served(old.base_url) == everyone_ok  # the release before, alone
-        new.start_worker(1)
-        wait_until(lambda: live.live_count() == 2, 60, "the new worker beside the old one")
-        assert served(old.base_url) == everyone_ok  # old web processes, both workers
-        old.stop_process(old.workers[0])
-        wait_until(lambda: live.live_count() == 1, 30, "the old worker gone")
-        assert served(old.base_url) == everyone_ok  # old web processes, new workers
-        new.start_web()
-        new.wait_ready(120)
-        assert served(old.base_url, new.base_url) == everyone_ok  # both releases' web
-        assert old.web is not None
-        old.stop_process(old.web)
+        for step in (
+            (upgrade_workers, upgrade_web) if first == "workers" else (upgrade_web, upgrade_workers)
+        ):
+            step()
+            assert served(*bases()) == everyone_ok
+        assert live.live().read_deadlines  # items carry their deadline from now on
         assert served(new.base_url) == everyone_ok  # the upgrade done
     finally:
         new.stop()

@@ -35,7 +35,7 @@ def test_first_append_opens_and_later_ones_join(aggregator: BatchAggregator) -> 
     assert (first.index, second.index) == (0, 1)
     sealed = aggregator.seal(first.batch_id)
     assert [i.prompt for i in sealed.items] == ["p0", "p1"]
-    assert sealed.items[0].deadline_ms - sealed.now_ms <= 500
+    assert sealed.items[0].expires_at_ms - sealed.now_ms <= 500
     assert sealed.opened_at_ms <= sealed.now_ms
     assert not sealed.sealed_before
 
@@ -48,8 +48,8 @@ def test_an_item_holds_its_expiry_deadline_and_prompt_only(aggregator: BatchAggr
     assert prompt == b"a prompt"
     expires, whole = head.split(b"~")
     item = aggregator.seal(ticket.batch_id).items[0]
-    assert (int(expires), int(whole)) == (item.expires_at_ms, item.deadline_ms)
-    assert item.deadline_ms == 500  # the whole deadline, though 400 ms were left
+    assert (int(expires), int(whole)) == (item.expires_at_ms, item.request_deadline_ms)
+    assert item.request_deadline_ms == 500  # the whole deadline, though 400 ms were left
     assert item.arrived_at_ms(policy_deadline_ms=9999) == item.expires_at_ms - 500
 
 
@@ -270,6 +270,25 @@ def test_heartbeats_count_live_workers(aggregator: BatchAggregator) -> None:
     assert workers_of(aggregator).live_count() == 1
 
 
+def test_items_carry_their_deadline_only_while_every_live_worker_reads_it(
+    aggregator: BatchAggregator,
+) -> None:
+    """A worker of the release before heartbeats into the live workers alone (its
+    heartbeat.lua): while it is live, web processes write the head it reads."""
+    registry = workers_of(aggregator)
+    assert registry.live() == (0, False)  # no worker: nothing to gate on
+    registry.heartbeat("new")
+    assert registry.live() == (1, True)
+    seconds, micros = aggregator.client.time()
+    aggregator.client.zadd(aggregator.keys.live_workers, {"older": seconds * 1000 + micros // 1000})
+    assert registry.live() == (2, False)
+    aggregator.client.zrem(aggregator.keys.live_workers, "older")  # its goodbye
+    assert registry.live() == (1, True)
+    registry.forget("new")
+    assert registry.live() == (0, False)
+    assert aggregator.client.zcard(aggregator.keys.deadline_readers) == 0
+
+
 def test_max_batch_size_is_bounded(redis_client: redis.Redis) -> None:
     for bad in (0, 101):
         with pytest.raises(ValueError, match="max_batch_size must be"):
@@ -417,4 +436,4 @@ def test_a_deadline_is_never_later_than_its_budget_in_redis_time(redis_url: str)
         seconds, micros = redis.Redis.from_url(redis_url).time()
         redis_now_ms = seconds * 1000 + micros / 1000
         (item,) = aggregator.seal(ticket.batch_id).items
-        assert item.deadline_ms <= redis_now_ms + budget_ms
+        assert item.expires_at_ms <= redis_now_ms + budget_ms

@@ -26,12 +26,13 @@ from workers.deltas import EXIT_WAIT_S, DeltaPublisher
 def test_an_item_says_whether_it_streams(
     key_id: int, cache: str, prompt: str | SampleRequest
 ) -> None:
-    for stream in (False, True):
-        raw = item_of(1234, prompt, key_id, cache, stream).encode()
+    for stream, deadline_ms in itertools.product((False, True), (0, 500)):
+        raw = item_of(1234, prompt, key_id, cache, stream, deadline_ms).encode()
         item = parse_item(raw)
         assert (item.expires_at_ms, item.key_id, item.cache, item.stream) == (
             1234, key_id, cache, stream,
         )  # fmt: skip
+        assert item.request_deadline_ms == deadline_ms
         assert item.request == (prompt if isinstance(prompt, SampleRequest) else None)
         assert raw.startswith(b"1234")  # batching/lua/seal.lua reads the expiry's digits
 

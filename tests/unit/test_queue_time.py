@@ -56,5 +56,5 @@ def test_an_older_web_process_s_item_is_timed_by_the_worker_s_policy(
     (raw,) = redis_client.lrange(aggregator.shards[0].pending, 0, -1)
     assert raw.split(b" ", 1)[0].isdigit()  # its head: the expiry alone
     item = aggregator.seal(ticket.batch_id).items[0]
-    assert item.deadline_ms == 0
+    assert item.request_deadline_ms == 0
     assert item.arrived_at_ms(LATER_DEADLINE_MS) == item.expires_at_ms - LATER_DEADLINE_MS
