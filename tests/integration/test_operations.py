@@ -281,7 +281,7 @@ def test_the_metrics_reference_lists_what_metrics_exposes(ops: Stack) -> None:
     assert exposed - documented == set()
     assert documented - exposed == EVENT_ONLY
     root = Path(__file__).resolve().parents[2]
-    declared = (root / "sampling" / "metrics.py").read_text()
+    declared = (root / "serving" / "metrics.py").read_text()
     declared += (root / "workers" / "metrics.py").read_text()
     assert {
         name for name in EVENT_ONLY if f'"{name.removesuffix("_total")}"' not in declared

@@ -6,6 +6,7 @@ worktree; its processes run its own code."""
 from __future__ import annotations
 
 import subprocess
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -77,7 +78,9 @@ def test_a_rolling_upgrade_answers_every_request_right(
 ) -> None:
     queue = unique_queue("rolling")
     env = {"REDIS_URL": redis_url, "DATABASE_URL": database_url, "SAMPLER": "simulated",
-           "SAMPLING_QUEUE": queue, "SIMULATED_BATCH_MS": "50"}  # fmt: skip
+           "SAMPLING_QUEUE": queue, "SIMULATED_BATCH_MS": "50",
+           # The older worktree has no .secret_key of its own: one key for both releases.
+           "DJANGO_SECRET_KEY": "rolling-upgrade-" + uuid.uuid4().hex}  # fmt: skip
     live = WorkerRegistry(redis.Redis.from_url(redis_url), QueueKeys(queue))
     old = stack_of(previous_tree, env, 0, tmp_path / "old")
     new = stack_of(ROOT, env, 1, tmp_path / "new")
