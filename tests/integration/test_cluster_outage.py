@@ -153,17 +153,18 @@ def test_every_loop_of_every_process_runs_again_after_every_master_died(
     # (a long prompt refused) and in the worker (its heartbeat reports the version).
     assert publish(client, queue, Policy(max_prompt_bytes=16, version=7))
     long_prompt = "E equals " + "x" * 32
+
+    def web_applies() -> bool:
+        # Housekeeping withdraws a policy with no database row, as this one (published
+        # straight to Redis) is, once its loop runs again: publish it again meanwhile.
+        publish(client, queue, Policy(max_prompt_bytes=16, version=7))
+        return every_process_answers(stack, after, 400, long_prompt)
+
     with logs_on_failure(stack):
-        wait_until(
-            lambda: every_process_answers(stack, after, 400, long_prompt),
-            RECOVERY_S,
-            "new policy",
-        )
+        wait_until(web_applies, RECOVERY_S, "new policy")
 
         def worker_applies() -> bool:
-            # Housekeeping withdraws a policy with no database row, as this one (published
-            # straight to Redis) is, once its loop runs again: publish it again meanwhile.
-            publish(client, queue, Policy(max_prompt_bytes=16, version=7))
+            publish(client, queue, Policy(max_prompt_bytes=16, version=7))  # as for the web
             return bool(worker_info()["policy_version"] == 7)
 
         wait_until(worker_applies, RECOVERY_S, "the worker applies")
