@@ -286,10 +286,10 @@ class AccessWatcher:
     def _on_missing(self) -> None:
         if self.missing_since is None:
             self.missing_since = time.monotonic()
-            log.warning(
-                "the published API keys are missing in Redis: %s",
-                "republishing them" if self.republish else "keeping the last ones read",
-            )
+            action = "republishing them" if self.republish else "keeping the last ones read"
+            # A process that never read a set meets a fresh Redis, not a lost one.
+            say = log.warning if self.loaded else log.info
+            say("the published API keys are missing in Redis: %s", action)
         if self.republish is not None:
             self.republish()
 

@@ -105,6 +105,8 @@ class EmbeddedRedis:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
+            # Out of the terminal's process group: Ctrl-C reaches the stack, which stops Redis last.
+            start_new_session=True,
         )
         atexit.unregister(self.stop)  # once, however often it is restarted
         atexit.register(self.stop)

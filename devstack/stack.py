@@ -11,6 +11,7 @@ import functools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -85,6 +86,8 @@ class Stack:
     # publish over the benchmark's (or fail on every housekeeping run, when not migrated).
     own_database: bool = False
     redis: EmbeddedRedis | None = None
+    # The embedded Redis's port (0: a free one); `make run` asks for the settings' default.
+    redis_port: int = 0
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     worker_gpus: list[int | None] = field(default_factory=list)  # each worker's, in order
     # Each worker's model and sampler, in order (None: SAMPLING_QUEUE's, with SAMPLER).
@@ -118,7 +121,8 @@ class Stack:
 
     def start(self, timeout_s: float = 90.0) -> Stack:
         if not self.env.get("REDIS_URL") and not os.environ.get("REDIS_URL"):
-            self.redis = EmbeddedRedis().start()
+            self.redis = EmbeddedRedis(self.redis_port) if self.redis_port else EmbeddedRedis()
+            self.redis.start()
             self.env["REDIS_URL"] = self.redis.url
         if not self.port:
             self.port = env_int("PORT", 0, environ=self.env) or free_port()
@@ -174,6 +178,9 @@ class Stack:
         from workers.launch import worker_command, worker_environment
 
         env = worker_environment(gpu, self.environment())
+        if os.geteuid() == 0:  # a development container's root: Celery's warning is for hosts
+            warned = [env.get("PYTHONWARNINGS"), ROOT_WARNING]
+            env["PYTHONWARNINGS"] = ",".join(filter(None, warned))
         if model is not None:
             env["SAMPLING_QUEUE"], env["SAMPLER"] = model
         queue = env_str("SAMPLING_QUEUE", "sampling", environ=env)
@@ -260,6 +267,10 @@ class Stack:
         self._logs.clear()
         if self._ready_dir is not None:
             shutil.rmtree(self._ready_dir, ignore_errors=True)
+
+
+# Celery's warning to a worker run as root, left out of a local stack (deployments run as a user).
+ROOT_WARNING = "ignore:You're running the worker with superuser privileges:Warning"
 
 
 def _reap(process: subprocess.Popen[bytes], timeout_s: float = 15) -> None:
@@ -358,6 +369,31 @@ def cpu_profile(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in CPU_PROFILE.items() if not environ.get(name, "").strip()}
 
 
+# The settings' REDIS_URL when it is unset: a manage.py command in another terminal then finds
+# `make run`'s embedded Redis.
+DEFAULT_REDIS_PORT = 6379
+
+
+def _embedded_redis_port() -> int:
+    """DEFAULT_REDIS_PORT when it is free, else a free one, said with the line to export; 0
+    when REDIS_URL is set (no embedded Redis)."""
+    if os.environ.get("REDIS_URL"):
+        return 0
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", DEFAULT_REDIS_PORT))
+        except OSError:
+            port = free_port()
+            print(
+                f"Port {DEFAULT_REDIS_PORT} is taken, so the embedded Redis listens on {port}. "
+                "In another terminal, before a manage.py command:\n"
+                f"  export REDIS_URL=redis://127.0.0.1:{port}/0\n",
+                flush=True,
+            )
+            return port
+    return DEFAULT_REDIS_PORT
+
+
 def main() -> None:
     from workers.launch import local_gpu_count
 
@@ -378,6 +414,7 @@ def main() -> None:
         env=env,
         gpus=gpus,
         web_processes=env_int("WEB_CONCURRENCY", os.cpu_count() or 1, minimum=1),
+        redis_port=_embedded_redis_port(),
     )
     stopping = False
 
@@ -402,6 +439,7 @@ def main() -> None:
             f'  curl -s localhost:{stack.port}/sample -d "E equals "\n',
             flush=True,
         )
+
         Supervisor(stack).run()
     except KeyboardInterrupt:
         print("\nStopping ...", flush=True)

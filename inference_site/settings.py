@@ -170,6 +170,8 @@ AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("AXES_COOLOFF_MINUTES", 15, minimum=1))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
+# No "AXES: BEGIN version" line at the start of every process and manage.py command.
+AXES_VERBOSE = False
 AXES_CLIENT_IP_CALLABLE = "operations.security.client_ip"
 
 LOGGING = {

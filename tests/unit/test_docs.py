@@ -1,14 +1,19 @@
 """The README and the documentation site agree with the tree: the README stays short, its
 links lead to files that exist, and every page under docs/ is in the site's navigation (a
 page left out of mkdocs.yml's nav is unreachable; `make docs` checks the links between
-pages)."""
+pages). The references agree with the code both ways, over every package of the service:
+settings with their defaults and bounds, error codes each in its own row, routes, and the
+commands, flags and make targets the pages name."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import math
 import re
 import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,17 +61,11 @@ def test_every_page_is_in_the_navigation() -> None:
 # Read by the service but not settings of an operator's: the WSGI environment's PATH_INFO,
 # and the directory where the test and benchmark stacks learn that every web process booted.
 NOT_SETTINGS = {"PATH_INFO", "WEB_READY_DIR", "XDG_CACHE_HOME"}  # the last: a standard of the OS
-SERVICE_PACKAGES = [
-    "inference_site",
-    "devstack",
-    "serving",
-    "workers",
-    "batching",
-    "accounts",
-    "telemetry",
-    "operations",
-    "planning",
-]
+# Every first-party package of the tree, found rather than listed: a new app is scanned the
+# day it lands. The benchmarks and the tests read settings of their own (BENCH_*, REQUIRE_*),
+# documented with them, not the service's.
+FIRST_PARTY = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
+SERVICE_PACKAGES = [package for package in FIRST_PARTY if package not in ("bench", "tests")]
 CONFIGURATION_PAGE = ROOT / "docs" / "reference" / "configuration.md"
 
 
@@ -116,20 +115,199 @@ def test_every_documented_setting_is_read_by_the_code() -> None:
     assert _settings_documented() - set(_settings_read()) == set()
 
 
+# config.env's readers whose second argument is the default.
+READERS_WITH_DEFAULT = {
+    "env_str", "env_int", "env_float", "env_bool", "env_choice", "env_list", "env_name", "env_text",
+}  # fmt: skip
+# Defaults and bounds that are no operator's: devstack's test stack picks a free port.
+NOT_DEFAULTS = {("devstack/stack.py", "PORT")}
+UNKNOWN = object()  # a default or bound the scan cannot know without running the process
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One reading of a setting in the code: its default and bounds, each UNKNOWN unless a
+    literal (or a constant of the module, or the policy's default and bounds)."""
+
+    path: str
+    default: object
+    minimum: object = None
+    maximum: object = None
+
+
+def _readings() -> dict[str, list[Reading]]:
+    """Every call of config.env's readers (and the settings' policy readers) whose default is
+    a literal, by the setting it reads."""
+    from batching.policy import BOUNDS, Policy
+
+    found: dict[str, list[Reading]] = {}
+    for package in SERVICE_PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            namespace = _constants(path, tree)
+            name = str(path.relative_to(ROOT))
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.Call) and len(node.args) >= 2):
+                    continue
+                reader = ast.unparse(node.func).rsplit(".", 1)[-1]
+                variable = node.args[0]
+                if not isinstance(variable, ast.Constant) or (name, variable.value) in NOT_DEFAULTS:
+                    continue
+                if reader.startswith("_policy_") and isinstance(node.args[1], ast.Constant):
+                    field = str(node.args[1].value)
+                    low, high = BOUNDS[field]
+                    reading = Reading(name, getattr(Policy(), field), low, high)
+                elif reader in READERS_WITH_DEFAULT:
+                    bounds = {k.arg: _value(k.value, namespace) for k in node.keywords}
+                    reading = Reading(name, _value(node.args[1], namespace),
+                                      bounds.get("minimum"), bounds.get("maximum"))  # fmt: skip
+                else:
+                    continue
+                found.setdefault(str(variable.value), []).append(reading)
+    return found
+
+
+def _constants(path: Path, tree: ast.Module) -> dict[str, Any]:
+    """The module's namespace when it is imported already (the settings are), less the names
+    it binds from a setting: a default built on another setting is no literal."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    namespace = dict(vars(sys.modules[module])) if module in sys.modules else {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and "env_" in ast.unparse(node.value):
+            for target in node.targets:
+                namespace.pop(ast.unparse(target), None)
+    return namespace
+
+
+def _value(node: ast.expr, namespace: dict[str, Any]) -> object:
+    """The expression's value when it calls nothing and names only constants; else UNKNOWN."""
+    if any(isinstance(part, ast.Call | ast.JoinedStr) for part in ast.walk(node)):
+        return UNKNOWN  # a call's value, or a path in an f-string, is the machine's
+    names = {part.id for part in ast.walk(node) if isinstance(part, ast.Name)}
+    if not names <= set(namespace):
+        return UNKNOWN
+    return eval(compile(ast.Expression(node), "<default>", "eval"), dict(namespace))  # noqa: S307
+
+
+def _configuration_rows() -> dict[str, tuple[str, str]]:
+    """Each setting of the configuration reference, with its default and bounds as the table
+    writes them. A row of several settings gives each its part of those cells (`8000` /
+    `127.0.0.1`; `32`, `0`, `1`, none)."""
+    rows: dict[str, tuple[str, str]] = {}
+    for line in CONFIGURATION_PAGE.read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        names = re.findall(r"`([A-Z][A-Z0-9_]+)`", cells[0])
+        defaults, bounds = (_parts(cells[i], len(names)) for i in (1, 2))
+        rows.update(zip(names, zip(defaults, bounds, strict=True), strict=True))
+    return rows
+
+
+def _parts(cell: str, count: int) -> list[str]:
+    if count == 1:
+        return [cell]
+    parts = re.split(r", | / ", cell)
+    return parts if len(parts) == count else [cell] * count
+
+
+def _documented_values(cell: str) -> list[object]:
+    """What a default cell may mean: each value in code font, and off, on, none or empty when
+    the cell starts with that word."""
+    values: list[object] = re.findall(r"`([^`]*)`", cell)
+    word = cell.split(" ", 1)[0].rstrip(":,;")
+    words: dict[str, list[object]] = {
+        "off": [False], "on": [True], "none": ["", []], "empty": ["", []],
+    }  # fmt: skip
+    values += words.get(word, [])
+    return values
+
+
+def _same(code: object, documented: object) -> bool:
+    if isinstance(documented, str) and isinstance(code, bool):
+        return documented.lower() in (("1", "true", "on") if code else ("0", "false", "off"))
+    if isinstance(documented, str) and isinstance(code, int | float):
+        try:
+            return math.isclose(float(documented.replace(",", "")), code)
+        except ValueError:
+            return False
+    if isinstance(documented, str) and isinstance(code, list):
+        return documented == ",".join(code)
+    if isinstance(documented, str) and isinstance(code, str):
+        return documented.lower() == code.lower()  # LOG_LEVEL: INFO for Django, info for Celery
+    return documented == code
+
+
+def test_every_literal_default_is_the_configuration_references() -> None:
+    rows = _configuration_rows()
+    readings = _readings()
+    assert {"SAMPLING_DEADLINE_MS", "WEB_LIMIT_REQUEST_LINE"} <= set(readings)  # scanned
+    wrong = {}
+    for name, found in readings.items():
+        for reading in found:
+            if reading.default is UNKNOWN or name not in rows:
+                continue  # a default that depends on the machine or another setting
+            documented = _documented_values(rows[name][0])
+            if not any(_same(reading.default, value) for value in documented):
+                wrong[name] = (reading.path, reading.default, rows[name][0][:60])
+    assert wrong == {}
+
+
+def _bounds_text(minimum: object, maximum: object) -> str:
+    def number(value: object) -> str:
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    if minimum is not None and maximum is not None:
+        return f"{number(minimum)} to {number(maximum)}"
+    if minimum is not None:
+        return f"at least {number(minimum)}"
+    return "" if maximum is None else f"at most {number(maximum)}"
+
+
+def test_the_configuration_reference_gives_each_settings_bounds() -> None:
+    """The bounds column says what the readers' minimum and maximum say, as `1` to `100`,
+    at least `1` or at most `64` (a note in parentheses may follow), and no more."""
+    rows = _configuration_rows()
+    expected: dict[str, set[str]] = {}
+    for name, found in _readings().items():
+        for reading in found:
+            if UNKNOWN not in (reading.minimum, reading.maximum):
+                expected.setdefault(name, set()).add(_bounds_text(reading.minimum, reading.maximum))
+    assert "1 to 100" in expected["SAMPLING_MAX_BATCH_SIZE"]  # the policy's bounds are read
+    documented = {
+        name: bounds.split(" (", 1)[0].replace("`", "").replace(",", "").strip()
+        for name, (_, bounds) in rows.items()
+    }
+    documented = {name: "" if text == "none" else text for name, text in documented.items()}
+    wrong = {name: (texts, documented.get(name)) for name, texts in expected.items()
+             if texts != {documented.get(name)}}  # fmt: skip
+    assert wrong == {}
+    unbounded = {name for name, text in documented.items() if text and name not in expected}
+    assert unbounded == set()
+
+
 ERRORS_PAGE = ROOT / "docs" / "reference" / "errors.md"
 
 
-def _error_names_in_code() -> set[str]:
-    """Every error type and code the API can answer: the table of problems, and the constants
-    the request checks pass as a code or an error type (`code=`, a `code` parameter's default,
-    openai_error's type and code, an `..._error` type literal)."""
-    names: set[str] = set()
+def _error_names_in_code() -> dict[str, set[str]]:
+    """Every error the API can answer, by kind: the /v1 `code`s, the /v1 `type`s, and the
+    /api/inference names. They come from the table of problems, the lines an offline job
+    leaves unanswered, and the constants the request checks pass as a code or an error type
+    (`code=`, a `code` parameter's default, a `"code"` key of an error's dict, openai_error's
+    type and code, an `..._error` type literal) in every package of the service."""
+    from offline.finish import UNANSWERED
+
+    names: dict[str, set[str]] = {"code": set(), "type": set(), "inference": set()}
     for problem in Problem:
-        names.update((problem.openai_type, problem.openai_code, problem.inference_error))
-    for package in ("serving", "operations", "inference_site"):
+        names["code"].add(problem.openai_code)
+        names["type"].add(problem.openai_type)
+        names["inference"].add(problem.inference_error)
+    names["code"].update(code for code, _ in UNANSWERED.values())
+    for package in SERVICE_PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
-                names.update(_error_names_of(node))
+                for name in _error_names_of(node):
+                    names["type" if name.endswith("_error") else "code"].add(name)
     return names
 
 
@@ -144,19 +322,54 @@ def _error_names_of(node: ast.AST) -> set[str]:
         defaults = zip(positional, reversed(node.defaults), strict=False)
         keywords = zip(node.kwonlyargs, node.kw_defaults, strict=True)
         values += [default for arg, default in [*defaults, *keywords] if arg.arg == "code"]
+    elif isinstance(node, ast.Dict):  # {"code": ..., "message": ...}
+        for key, value in zip(node.keys, node.values, strict=True):
+            if isinstance(key, ast.Constant) and key.value == "code":
+                # "invalid_line" if ... else "invalid_file": both
+                values += [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
     elif isinstance(node, ast.Constant) and re.fullmatch(r"[a-z]+_error", str(node.value)):
         values.append(node)
     return {v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)}
 
 
-def test_every_error_code_and_status_is_in_the_errors_reference() -> None:
-    page = ERRORS_PAGE.read_text()
-    documented = set(re.findall(r"`([A-Za-z_]+)`", page))
+def _error_rows() -> list[list[str]]:
+    """The errors reference's table rows, as their cells."""
+    rows = []
+    for line in ERRORS_PAGE.read_text().splitlines():
+        if line.startswith("|") and not re.fullmatch(r"[|\s:-]+", line):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def _names(cell: str) -> set[str]:
+    return set(re.findall(r"`([A-Za-z_]+)`", cell))
+
+
+def test_every_error_code_and_status_has_its_row_in_the_errors_reference() -> None:
+    """Each /v1 code and /api/inference name of the code is the first cell of a row of the
+    errors reference (a mention in passing does not count), and each /v1 type is in a row."""
     names = _error_names_in_code()
-    assert {"invalid_json", "unknown_url", "not_found_error"} <= names  # the scan sees them
-    assert names - documented == set()
-    statuses = set(re.findall(r"^\| (\d{3}) \|", page, flags=re.M))
+    assert {"invalid_json", "unknown_url", "batch_failed", "token_limit_exceeded"} <= names["code"]
+    assert "not_found_error" in names["type"]  # the scans see them
+    rows = _error_rows()
+    first_cells = set().union(*(_names(row[0]) for row in rows))
+    in_rows = set().union(*(_names(cell) for row in rows for cell in row))
+    assert names["code"] - first_cells == set()
+    assert names["inference"] - first_cells == set()
+    assert names["type"] - in_rows == set()
+    statuses = {cell for row in rows for cell in row if re.fullmatch(r"\d{3}", cell)}
     assert {str(problem.status) for problem in Problem} - statuses == set()
+
+
+def test_every_error_the_errors_reference_lists_is_one_of_the_code() -> None:
+    """The other way: a row's code, name or type that the code never answers is a stale one."""
+    names = set().union(*_error_names_in_code().values())
+    rows = _error_rows()
+    assert len(rows) > 20  # the tables are read
+    header_words = {"status", "code", "type", "name", "when"}
+    listed = set().union(*(_names(row[0]) for row in rows)) - header_words
+    listed |= {name for row in rows for name in _names(" ".join(row)) if name.endswith("_error")}
+    assert listed - names == set()
 
 
 def _documents() -> list[Path]:
@@ -206,10 +419,15 @@ def _commands_named() -> dict[str, set[str]]:
 
 
 def _management_command(command: str) -> str:
-    for app in ("operations", "planning", "offline", "inference_site"):
-        if (ROOT / app / "management" / "commands" / f"{command}.py").exists():
-            return f"{app}.management.commands.{command}"
-    return f"django.core.management.commands.{command}"
+    """The module of a `manage.py` command: one of the installed apps' (ours, Django's and the
+    third-party apps'), as Django itself finds them. A command no app has fails the test."""
+    from django.core.management import get_commands
+
+    if command == "help":  # manage.py's own, not an app's
+        return "django.core.management"
+    app = get_commands().get(command)
+    assert app is not None, f"manage.py {command}: no installed app has this command"
+    return f"{app}.management.commands.{command}"
 
 
 def test_every_make_target_the_documents_name_exists() -> None:
@@ -237,6 +455,8 @@ def test_every_module_and_flag_the_documents_name_exists() -> None:
     for module, flags in commands.items():
         if module in ("pytest", "gunicorn", "pip") or module.startswith("django."):
             continue  # third-party commands
+        if module.split(".")[0] in sys.stdlib_module_names:
+            continue  # the standard library's (python -m json.tool)
         if module in retired:
             continue  # its script is at the commit the retired table names (checked below)
         source = _module_sources(module)
@@ -337,3 +557,12 @@ def test_every_route_is_in_the_readme_and_the_api_reference() -> None:
     assert routes - _endpoint_tables((ROOT / "README.md").read_text()) == set()
     api_page = (ROOT / "docs" / "guides" / "api.md").read_text()
     assert routes - _endpoint_tables(api_page) == set()
+
+
+def test_every_route_the_readme_and_the_api_reference_list_exists() -> None:
+    """The other way: a path in their endpoint tables that the service does not route."""
+    routes = _routes()
+    for document in (ROOT / "README.md", ROOT / "docs" / "guides" / "api.md"):
+        listed = _endpoint_tables(document.read_text())
+        assert len(listed) > 10, document  # the tables are read
+        assert listed - routes == set(), document
