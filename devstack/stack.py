@@ -424,7 +424,10 @@ def main() -> None:
             stopping = True
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # Ctrl-C, a kill, the terminal closed: stop once; a second Ctrl-C must not cut the stop
+    # short, which would leave Redis (in a session of its own) running.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     try:
         where = os.environ.get("REDIS_URL") or "an embedded Redis"
         plan = stack.worker_plan()

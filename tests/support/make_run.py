@@ -10,7 +10,7 @@ import socket
 import subprocess
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,14 +32,17 @@ class MakeRun:
         return f"localhost:{self.port}"
 
     def stop(self) -> int:
-        """Ctrl-C, as the pages say; the exit status of make."""
+        """Ctrl-C, as the pages say; the exit status of make, once every process of the stack
+        (Redis last) has exited: make itself exits at once, as in a terminal."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGINT)
         try:
-            return self.process.wait(timeout=120)
+            status = self.process.wait(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
-            return self.process.wait()
+            status = self.process.wait()
+        wait_until(lambda: not _processes_with(f"PORT={self.port}"), 60, "the stack stopped")
+        return status
 
 
 def free_port() -> int:
@@ -84,13 +87,16 @@ def make_run(directory: Path, timeout_s: float = 120) -> Iterator[MakeRun]:
             running.env["REDIS_URL"] = exported.group(1)
         yield running
     finally:
-        running.stop()
-        # The stack's processes run in sessions of their own: any left behind would take the
-        # next tests' CPU. Stopped, and named in the warnings summary.
-        if left := _processes_with(f"PORT={port}"):
-            for pid in left:
-                os.kill(pid, signal.SIGKILL)
-            warnings.warn(f"make run left {sorted(left.values())} running", stacklevel=1)
+        try:
+            running.stop()
+        finally:
+            # The stack's processes run in sessions of their own: any left behind would take
+            # the next tests' CPU. Stopped, and named in the warnings summary.
+            if left := _processes_with(f"PORT={port}"):
+                for pid in left:
+                    with suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                warnings.warn(f"make run left {sorted(left.values())} running", stacklevel=1)
 
 
 def _ctrl_c_heard() -> None:
