@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -26,6 +27,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _server_pid(port: int) -> int | None:
+    """The process id of the Redis answering on `port` (None: an answer without one)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+        sock.sendall(b"INFO server\r\n")
+        reply = b""
+        while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    found = re.search(rb"process_id:(\d+)", reply)
+    return int(found.group(1)) if found else None
 
 
 def server_binary() -> str:
@@ -115,12 +130,15 @@ class EmbeddedRedis:
             if self.process.poll() is not None:
                 raise RuntimeError(f"redis server exited at start: {log.read_text()[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        return self
+                answering = _server_pid(self.port)
             except OSError:
                 time.sleep(0.05)
+                continue
+            if answering == self.process.pid:
+                return self
+            # Another server holds the port: ours fails to bind and exits.
+            self.process.wait(timeout=timeout_s)
+            raise RuntimeError(f"port {self.port} is another server's (pid {answering})")
         self.stop()
         raise RuntimeError(f"redis server did not answer on port {self.port} in {timeout_s} s")
 

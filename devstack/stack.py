@@ -11,7 +11,6 @@ import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -121,8 +120,7 @@ class Stack:
 
     def start(self, timeout_s: float = 90.0) -> Stack:
         if not self.env.get("REDIS_URL") and not os.environ.get("REDIS_URL"):
-            self.redis = EmbeddedRedis(self.redis_port) if self.redis_port else EmbeddedRedis()
-            self.redis.start()
+            self.redis = self._start_redis()
             self.env["REDIS_URL"] = self.redis.url
         if not self.port:
             self.port = env_int("PORT", 0, environ=self.env) or free_port()
@@ -139,6 +137,15 @@ class Stack:
             self.start_feeder()
         self.wait_ready(timeout_s, need_worker=bool(self.gpus))
         return self
+
+    def _start_redis(self) -> EmbeddedRedis:
+        """On `redis_port` when it is free, else on a free port."""
+        if self.redis_port:
+            try:
+                return EmbeddedRedis(self.redis_port).start()
+            except RuntimeError:
+                pass  # another server holds it
+        return EmbeddedRedis().start()
 
     def worker_plan(self) -> list[tuple[int | None, tuple[str, str] | None]]:
         """One worker per GPU of `gpus` (None: a CPU worker) for the one model; with
@@ -369,29 +376,9 @@ def cpu_profile(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in CPU_PROFILE.items() if not environ.get(name, "").strip()}
 
 
-# The settings' REDIS_URL when it is unset: a manage.py command in another terminal then finds
-# `make run`'s embedded Redis.
+# The port of the settings' REDIS_URL when it is unset: a manage.py command in another terminal
+# then finds `make run`'s embedded Redis, when no other server holds the port.
 DEFAULT_REDIS_PORT = 6379
-
-
-def _embedded_redis_port() -> int:
-    """DEFAULT_REDIS_PORT when it is free, else a free one, said with the line to export; 0
-    when REDIS_URL is set (no embedded Redis)."""
-    if os.environ.get("REDIS_URL"):
-        return 0
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", DEFAULT_REDIS_PORT))
-        except OSError:
-            port = free_port()
-            print(
-                f"Port {DEFAULT_REDIS_PORT} is taken, so the embedded Redis listens on {port}. "
-                "In another terminal, before a manage.py command:\n"
-                f"  export REDIS_URL=redis://127.0.0.1:{port}/0\n",
-                flush=True,
-            )
-            return port
-    return DEFAULT_REDIS_PORT
 
 
 def main() -> None:
@@ -414,7 +401,7 @@ def main() -> None:
         env=env,
         gpus=gpus,
         web_processes=env_int("WEB_CONCURRENCY", os.cpu_count() or 1, minimum=1),
-        redis_port=_embedded_redis_port(),
+        redis_port=DEFAULT_REDIS_PORT,
     )
     stopping = False
 
@@ -437,6 +424,13 @@ def main() -> None:
         print(f"Starting {len(plan)} {kind} worker(s){served}, gunicorn and the feeder on "
               f"{where} ...", flush=True)  # fmt: skip
         stack.start(timeout_s=300)
+        if stack.redis is not None and stack.redis.port != DEFAULT_REDIS_PORT:
+            print(
+                f"\nPort {DEFAULT_REDIS_PORT} is taken, so the embedded Redis listens on "
+                f"{stack.redis.port}. In another terminal, before a manage.py command:\n"
+                f"  export REDIS_URL={stack.redis.url}",
+                flush=True,
+            )
         print(
             f"\nReady: {stack.base_url}  (Ctrl-C stops everything)\n"
             f'  curl -s localhost:{stack.port}/sample -d "E equals "\n',

@@ -54,8 +54,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MakeRun]:
 
 
 def _run(block: Block, running: MakeRun, state: Path) -> subprocess.CompletedProcess[str]:
-    # `set -a` exports what a block assigns; the state file carries it to the next block.
-    code = f"set -ea\nsource {state}\n{script(block, running.address)}\nexport -p > {state}\n"
+    # `set -a` exports what a block assigns; the state file carries it to the next block. An
+    # HTTP error fails curl, so a block that shows no output still checks its answers.
+    prelude = f'set -ea\nsource {state}\ncurl() {{ command curl --fail-with-body "$@"; }}\n'
+    code = f"{prelude}{script(block, running.address)}\nexport -p > {state}\n"
     return subprocess.run(
         ["bash", "-c", code], cwd=ROOT, env=running.env, capture_output=True, text=True,
         timeout=BLOCK_TIMEOUT_S, check=False,

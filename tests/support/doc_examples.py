@@ -35,30 +35,32 @@ def documents() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
+
+
 def blocks(path: Path) -> list[Block]:
-    """The page's fenced blocks in order, each with the mark on the last non-blank line above
-    it; an output block is also attached to the run block before it."""
+    """The page's fenced blocks in order (a list item's, indented, too), each with the mark on
+    the last non-blank line above it; an output block is also attached to the run block
+    before it. A fence never closed is an error: the rest of the page would render as code."""
     found: list[Block] = []
     lines = path.read_text().splitlines()
     page = str(path.relative_to(ROOT))
     previous, index = "", 0
     while index < len(lines):
-        line = lines[index]
-        fence = re.match(r"^(`{3,}|~{3,})\s*([\w+-]*)", line)
+        fence = FENCE.match(lines[index])
         if fence is None:
-            if line.strip():
-                previous = line.strip()
+            if lines[index].strip():
+                previous = lines[index].strip()
             index += 1
             continue
-        end = next(
-            (i for i in range(index + 1, len(lines)) if lines[i].startswith(fence.group(1))),
-            len(lines),
-        )
+        indent, marker = fence.group(1), fence.group(2)
+        closing = re.compile(rf"\s*{re.escape(marker[0])}{{{len(marker)},}}\s*")
+        end = next((i for i in range(index + 1, len(lines)) if closing.fullmatch(lines[i])), None)
+        if end is None:
+            raise ValueError(f"{page}:{index + 1}: a fence that is never closed")
+        code = "\n".join(line.removeprefix(indent) for line in lines[index + 1 : end]) + "\n"
         mark = MARK.fullmatch(previous)
-        block = Block(
-            page, index + 1, fence.group(2), mark.group(1) if mark else None,
-            "\n".join(lines[index + 1 : end]) + "\n",
-        )  # fmt: skip
+        block = Block(page, index + 1, fence.group(3), mark.group(1) if mark else None, code)
         if block.mark == "output" and found and found[-1].mark == "run":
             found[-1].output = block.code
         found.append(block)

@@ -75,6 +75,8 @@ def make_run(directory: Path, timeout_s: float = 120) -> Iterator[MakeRun]:
 
         def ready() -> bool:
             assert process.poll() is None, log.read_text()
+            if "\nReady: " not in log.read_text():  # printed after whatever a newcomer must do
+                return False
             try:
                 return request(f"http://127.0.0.1:{port}", "/readyz", method="GET").status == 200
             except OSError:
