@@ -199,6 +199,9 @@ def test_the_commands_reference_lists_every_exit_status_of_a_worker() -> None:
     named = _exit_statuses()
     assert {"EXIT_DUPLICATE_NAME", "EXIT_HUNG_CALL"} <= set(named)  # the scan sees them
     assert {str(status) for status in named.values()} - statuses == set()
+    # Both ways: a worker's status on the page is one the code names, or 0 and 1 (Python's).
+    workers = {row[1] for row in rows if row[0].startswith("a worker")}
+    assert workers - {str(status) for status in named.values()} - {"0", "1"} == set()
 
 
 # --- HTTP headers -------------------------------------------------------------------------
@@ -236,6 +239,14 @@ def test_the_http_reference_lists_every_header_the_code_reads_or_sets() -> None:
     found = _headers_in_code()
     assert {"authorization", "x-request-start", "retry-after", "x-cache"} <= found
     assert found - documented == set()
+    assert documented - found - FRAMEWORK_HEADERS == set()
+
+
+# Headers the page documents that Django sets (its security middleware), not our code.
+FRAMEWORK_HEADERS = {
+    "content-type", "cross-origin-opener-policy", "referrer-policy", "strict-transport-security",
+    "x-content-type-options", "x-frame-options",
+}  # fmt: skip
 
 
 # --- the OpenAPI document -----------------------------------------------------------------
