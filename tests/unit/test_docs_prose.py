@@ -19,7 +19,8 @@ BENCHMARK_PAGES = ("docs/benchmarks/", "docs/gpu-report.md")
 PROCESS_WORDS = re.compile(
     r"\bloan(?:ed|s)?\b|\blent\b|\b(?:this|that|an earlier|a later|the last|our) session\b"
     r"|\bsessions? of work\b|\bcarried wheels\b|\bwheels (?:we|were) carried\b|\bwithdrawn runs?\b"
-    r"|\bas before\b|\bcame to be\b|\bnoisier session\b|\bthey were up to\b|\bwas (?:then|later)\b",
+    r"|\bas before\b|\bcame to be\b|\bnoisier session\b|\bthey were up to\b|\bwas (?:then|later)\b"
+    r"|\bwithdrawn\b(?! from)|\bborrow(?:ed|ing)?\b|\bdevice time\b|\bwork session\b",
     re.I,
 )
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\[*(`\"])")
