@@ -23,7 +23,7 @@ from django.conf import settings
 from batching import topology
 from batching.aggregator import BatchAggregator
 from batching.call_cost import load_profile
-from batching.policy import PolicyWatcher, policy_from_settings
+from batching.policy import Policy, PolicyWatcher, policy_from_settings
 from batching.protocol import RUN_BATCH_TASK, UNKNOWN_LANE, task_priority
 from batching.result_store import queue_result
 from workers.heartbeat import (
@@ -247,7 +247,22 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
         time.perf_counter() - started,
         os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
     )
+    _warn_of_a_cpu_under_a_gpus_deadline(worker.runner.sampler)
     _worker = worker.start()
+
+
+def _warn_of_a_cpu_under_a_gpus_deadline(sampler: object) -> None:
+    """A model on CPU takes seconds a call: worth a warning under the GPU's default deadline,
+    not under a longer one set for it (make run's CPU profile)."""
+    if (
+        getattr(sampler, "device", None) == "cpu"
+        and (Policy.deadline_ms) >= settings.SAMPLING_DEADLINE_MS
+    ):
+        log.warning(
+            "no GPU: the model runs on CPU, where a call takes seconds, not the ~100 ms that "
+            "the deadline of %d ms is sized for",
+            settings.SAMPLING_DEADLINE_MS,
+        )
 
 
 @signals.worker_shutdown.connect

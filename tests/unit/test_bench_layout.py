@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bench.__main__ import BENCHMARKS
 from devstack.stack import ROOT
+from tests.support.python_source import parse as parse_source
 
 BENCH = ROOT / "bench"
 # Packages under bench/ that are not benchmarks: the harness, the baselines' Django project
@@ -27,7 +28,7 @@ def benchmark_entry(name: str) -> Path:
 def imported_modules(path: Path) -> set[str]:
     """Every module the file imports, at its top or inside a function."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(parse_source(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -54,7 +55,7 @@ def test_every_module_and_package_under_bench_is_a_registered_benchmark_or_suppo
 
 def test_every_benchmark_has_a_description_and_its_two_functions() -> None:
     for name in BENCHMARKS:
-        tree = ast.parse(benchmark_entry(name).read_text())
+        tree = parse_source(benchmark_entry(name).read_text())
         docstring = ast.get_docstring(tree)
         assert docstring, name
         functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}

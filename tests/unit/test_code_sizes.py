@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from devstack.stack import ROOT
+from tests.support.python_source import parse as parse_source
 
 PACKAGES = (
     "config", "batching", "accounts", "telemetry", "serving", "workers", "operations",
@@ -36,7 +37,7 @@ def name(path: Path) -> str:
 
 
 def long_functions(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parse_source(path.read_text(), filename=str(path))
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -73,7 +74,7 @@ def test_no_function_is_over_its_line_bound() -> None:
 
 def lua_strings(path: Path) -> int:
     """String literals of the module that read as Lua (two lines or more of its keywords)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parse_source(path.read_text(), filename=str(path))
     pieces = [
         node.value
         for node in ast.walk(tree)

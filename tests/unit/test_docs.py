@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from batching.problems import Problem
+from tests.support.python_source import parse as parse_source
 
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
@@ -76,7 +77,7 @@ def _settings_read() -> dict[str, str]:
     found: dict[str, str] = {}
     files = [path for package in SERVICE_PACKAGES for path in (ROOT / package).rglob("*.py")]
     for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_source(path.read_text())):
             name = None
             if isinstance(node, ast.Call) and node.args:
                 function = ast.unparse(node.func)
@@ -143,7 +144,7 @@ def _readings() -> dict[str, list[Reading]]:
     found: dict[str, list[Reading]] = {}
     for package in SERVICE_PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
-            tree = ast.parse(path.read_text())
+            tree = parse_source(path.read_text())
             namespace = _constants(path, tree)
             name = str(path.relative_to(ROOT))
             for node in ast.walk(tree):
@@ -305,7 +306,7 @@ def _error_names_in_code() -> dict[str, set[str]]:
     names["code"].update(code for code, _ in UNANSWERED.values())
     for package in SERVICE_PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parse_source(path.read_text())):
                 for name in _error_names_of(node):
                     names["type" if name.endswith("_error") else "code"].add(name)
     return names

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from batching.outcomes import RequestOutcome
+from tests.support.python_source import parse as parse_source
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "reference"
@@ -43,7 +44,7 @@ def _section(text: str, heading: str) -> str:
 
 def _literal_loop(path: Path, variable: str) -> set[str]:
     """The constants of a `for VARIABLE in ("a", "b")` loop or comprehension of a module."""
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_source(path.read_text())):
         if (
             isinstance(node, ast.comprehension | ast.For)
             and isinstance(node.target, ast.Name)
@@ -59,7 +60,7 @@ def _job_steps() -> set[str]:
     `count_failure` calls give."""
     steps = set()
     for path in (ROOT / "offline").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_source(path.read_text())):
             if isinstance(node, ast.Call):
                 function = ast.unparse(node.func)
                 index = {"_alone": 1, "count_failure": 0}.get(function)
@@ -181,7 +182,7 @@ def _exit_statuses() -> dict[str, int]:
     """The workers' named exit statuses (EXIT_... = 78)."""
     found = {}
     for path in (ROOT / "workers").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_source(path.read_text())):
             if (
                 isinstance(node, ast.Assign)
                 and isinstance(node.targets[0], ast.Name)
@@ -218,7 +219,7 @@ def _headers_in_code() -> set[str]:
         if package.name in ("bench", "tests"):
             continue
         for path in package.rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parse_source(path.read_text())):
                 keys: list[ast.expr | None] = []
                 if isinstance(node, ast.Subscript):
                     keys.append(node.slice)

@@ -9,6 +9,8 @@ import re
 from functools import cache
 from pathlib import Path
 
+from tests.support.python_source import parse as parse_source
+
 ROOT = Path(__file__).resolve().parents[2]
 NOT_CODE = {"tests", "docs", "node_modules"}
 
@@ -34,7 +36,7 @@ def sources() -> list[Path]:
 @cache
 def top_level_names(path: Path) -> frozenset[str]:
     names: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in parse_source(path.read_text()).body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
@@ -64,7 +66,7 @@ def resolves(reference: str) -> bool:
 
 def references(path: Path, pattern: re.Pattern[str]) -> list[str]:
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_source(path.read_text())):
         if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             docstring = ast.get_docstring(node) or ""
             found += [match.rstrip(".") for match in pattern.findall(docstring)]

@@ -19,6 +19,7 @@ from typing import Any
 from django.apps import apps
 
 from batching import installed_names, keys
+from tests.support.python_source import parse as parse_source
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = Path(__file__).with_name("installed_names.txt")
@@ -82,7 +83,7 @@ def metric_names() -> Iterator[str]:
     found = set()
     for top in CODE:
         for path in (ROOT / top).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parse_source(path.read_text())):
                 if (
                     isinstance(node, ast.Call)
                     and getattr(node.func, "id", getattr(node.func, "attr", "")) in METRIC_TYPES

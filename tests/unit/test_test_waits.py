@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 from devstack.stack import ROOT
+from tests.support.python_source import parse as parse_source
 
 MAX_FIXED_DELAYS = 15
 NO_DELAY_AT_ALL = ("tests/unit/test_aggregator.py", "tests/unit/test_lanes.py")
@@ -18,7 +19,7 @@ def delays(path: Path) -> list[tuple[int, str]]:
     dropped (an Event used as a delay)."""
     source = path.read_text()
     lines = source.splitlines()
-    tree = ast.parse(source, filename=str(path))
+    tree = parse_source(source, filename=str(path))
     dropped = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
     found = []
     for call in ast.walk(tree):

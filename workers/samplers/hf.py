@@ -16,8 +16,6 @@ from typing import Any
 
 from batching.call_cost import load_profile
 from batching.generation import Completion, FinishReason, Row, cut_at_stop
-from batching.policy import Policy
-from config.env import env_int
 from workers.samplers.base import GenerationSettings, PromptRejected, Sampler, StreamSink
 from workers.samplers.hf_source import (
     ModelSource,
@@ -131,14 +129,8 @@ class HFSampler(Sampler):
 
     def _log_loaded(self, took_s: float) -> None:
         if self.device == "cpu":
-            # A deadline longer than the GPU's default (make run's CPU profile) is sized for it.
-            deadline_ms = env_int("SAMPLING_DEADLINE_MS", Policy.deadline_ms)
-            say = log.warning if deadline_ms <= Policy.deadline_ms else log.info
-            say(
-                "no GPU: %s runs on CPU, where a call takes seconds, not the ~100 ms that "
-                "the default %d ms deadline is sized for (SAMPLING_DEADLINE_MS: %d ms)",
-                self.source.label, Policy.deadline_ms, deadline_ms,
-            )  # fmt: skip
+            # workers.lifecycle warns when the deadline is the GPU's (make run's is not).
+            log.info("no GPU: %s runs on CPU, where a call takes seconds", self.source.label)
         log.info(
             "model %s loaded on %s (%s) in %.1f s: %d-token context, %d new tokens, "
             "temperature %g, top-p %g, stop %r",
