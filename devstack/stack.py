@@ -436,7 +436,6 @@ def main() -> None:
             f'  curl -s localhost:{stack.port}/sample -d "E equals "\n',
             flush=True,
         )
-
         Supervisor(stack).run()
     except KeyboardInterrupt:
         print("\nStopping ...", flush=True)

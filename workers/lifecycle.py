@@ -254,14 +254,12 @@ def load_runner(sender: object = None, **kwargs: object) -> None:
 def _warn_of_a_cpu_under_a_gpus_deadline(sampler: object) -> None:
     """A model on CPU takes seconds a call: worth a warning under the GPU's default deadline,
     not under a longer one set for it (make run's CPU profile)."""
-    if (
-        getattr(sampler, "device", None) == "cpu"
-        and (Policy.deadline_ms) >= settings.SAMPLING_DEADLINE_MS
-    ):
+    deadline_ms = settings.SAMPLING_DEADLINE_MS
+    if getattr(sampler, "device", None) == "cpu" and deadline_ms <= Policy.deadline_ms:
         log.warning(
             "no GPU: the model runs on CPU, where a call takes seconds, not the ~100 ms that "
             "the deadline of %d ms is sized for",
-            settings.SAMPLING_DEADLINE_MS,
+            deadline_ms,
         )
 
 
